@@ -1,0 +1,224 @@
+"""Pieces both loops (SFT and GRPO) wire together: building components, validation, checkpoints.
+
+Everything here takes explicit arguments; the loops read the config and pass the values in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlfleet.checkpoint import CheckpointManager
+from rlfleet.config import MasterConfig, config_to_yaml
+from rlfleet.data import Prompt, ResumableLoader, build_prompts, load_task
+from rlfleet.generation import GenerationBackend, HFGenerationBackend, SamplingParams
+from rlfleet.logging import MetricsLogger, Progress, format_step_line, plot_run
+from rlfleet.models.loading import load_model, load_tokenizer
+from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
+from rlfleet.rewards import RewardFn
+
+log = logging.getLogger("rlfleet")
+
+
+def step_seed(seed: int, step: int, salt: int = 0) -> int:
+    """A distinct, reproducible RNG seed for each step (and purpose ``salt``)."""
+    return (seed * 1_000_003 + step * 7_919 + salt) % (2**31 - 1)
+
+
+def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> PolicyWorker:
+    """Loads the policy named by ``policy.model_name`` into a worker with its optimizer."""
+    p = cfg.policy
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer(p.tokenizer.name or p.model_name)
+    model = load_model(p.model_name, p.precision)
+    o = p.optimizer.kwargs
+    settings = OptimizerSettings(
+        lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,
+        warmup_steps=p.scheduler.warmup_steps, warmup_start_factor=p.scheduler.warmup_start_factor,
+        max_grad_norm=p.max_grad_norm,
+    )
+    return PolicyWorker(model, tokenizer, settings, keep_reference=keep_reference)
+
+
+def build_backend(cfg: MasterConfig, worker: PolicyWorker) -> GenerationBackend:
+    """The configured generation backend, colocated with ``worker``."""
+    return HFGenerationBackend(worker.model, worker.tokenizer, cfg.policy.generation.batch_size)
+
+
+def prompt_budget(cfg: MasterConfig) -> int:
+    """Longest prompt (tokens) that still leaves room for ``max_new_tokens`` in the sequence limit."""
+    limit = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
+    return min(limit, cfg.data.max_input_seq_length or limit)
+
+
+@dataclass
+class TaskData:
+    train: list[Prompt]
+    val: list[Prompt]
+    dropped: int
+
+
+def load_prompts(cfg: MasterConfig, tokenizer: Any, max_val_samples: int) -> TaskData:
+    """Loads the task and renders its prompts; too-long prompts are dropped and counted."""
+    train_ex, val_ex = load_task(cfg.data)
+    budget = prompt_budget(cfg)
+    train, dropped_train = build_prompts(
+        tokenizer, train_ex, system_prompt=cfg.data.system_prompt, max_prompt_tokens=budget
+    )
+    val, dropped_val = build_prompts(
+        tokenizer, val_ex[:max_val_samples], system_prompt=cfg.data.system_prompt, max_prompt_tokens=budget
+    )
+    if dropped_train or dropped_val:
+        log.warning("dropped %d train and %d val prompts longer than %d tokens", dropped_train, dropped_val, budget)
+    return TaskData(train=train, val=val, dropped=dropped_train + dropped_val)
+
+
+@dataclass
+class EvalResult:
+    accuracy: float
+    mean_response_length: float
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+    def metrics(self, prefix: str = "val") -> dict[str, float]:
+        return {f"{prefix}/accuracy": self.accuracy, f"{prefix}/mean_response_length": self.mean_response_length}
+
+
+def evaluate(
+    backend: GenerationBackend,
+    prompts: Sequence[Prompt],
+    reward_fn: RewardFn,
+    params: SamplingParams,
+    seed: int,
+    num_samples_to_keep: int = 4,
+) -> EvalResult:
+    """Generates one response per prompt and scores it: accuracy = mean reward."""
+    results = backend.generate([p.token_ids for p in prompts], params, seed)
+    rewards = [reward_fn(p.text, r.text, p.example.gold) for p, r in zip(prompts, results, strict=True)]
+    samples = [
+        {"prompt": p.example.question, "response": r.text, "gold": p.example.gold, "reward": s}
+        for p, r, s in list(zip(prompts, results, rewards, strict=True))[:num_samples_to_keep]
+    ]
+    return EvalResult(
+        accuracy=sum(rewards) / max(len(rewards), 1),
+        mean_response_length=sum(len(r.token_ids) for r in results) / max(len(results), 1),
+        samples=samples,
+    )
+
+
+@dataclass
+class RunContext:
+    """The live objects of a run, shared by the SFT and GRPO loops."""
+
+    cfg: MasterConfig
+    worker: PolicyWorker
+    loader: ResumableLoader[Any]
+    logger: MetricsLogger
+    checkpoints: CheckpointManager | None
+    total_steps: int
+    step: int = 0
+    last_metrics: dict[str, float] = field(default_factory=dict)
+
+    def training_info(self) -> dict[str, Any]:
+        kept = {k: v for k, v in self.last_metrics.items() if not k.startswith("timing/")}
+        return {"step": self.step, "epoch": self.loader.epoch, **kept}
+
+
+def make_context(
+    cfg: MasterConfig, worker: PolicyWorker, items: Sequence[Any], batch_size: int, *, seed: int,
+    max_num_steps: int, max_num_epochs: int,
+) -> RunContext:
+    """Creates the loader, logger and checkpoint manager, then resumes from the newest checkpoint."""
+    loader = ResumableLoader(items, batch_size, shuffle=cfg.data.shuffle, seed=seed)
+    total = min(max_num_steps, max_num_epochs * loader.batches_per_epoch)
+    c, lg = cfg.checkpointing, cfg.logger
+    checkpoints = (
+        CheckpointManager(Path(c.checkpoint_dir), c.metric_name, c.higher_is_better, c.keep_top_k)
+        if c.enabled else None
+    )
+    tb_dir = Path(lg.tensorboard.log_dir) if lg.tensorboard.log_dir else None
+    logger = MetricsLogger(
+        Path(lg.log_dir), tensorboard_enabled=lg.tensorboard_enabled, tensorboard_dir=tb_dir,
+        run_config=cfg.model_dump(mode="json"),
+    )
+    ctx = RunContext(cfg, worker, loader, logger, checkpoints, total_steps=total)
+    resume(ctx)
+    return ctx
+
+
+def resume(ctx: RunContext) -> None:
+    """Restores weights, optimizer, scheduler, RNG, dataloader and counters from the newest checkpoint."""
+    if ctx.checkpoints is None:
+        return
+    path = ctx.checkpoints.latest()
+    if path is None:
+        return
+    info = ctx.checkpoints.load_training_info(path)
+    ctx.worker.load(path)
+    ctx.loader.load_state_dict(ctx.checkpoints.load_dataloader_state(path))
+    ctx.checkpoints.restore_rng(path)
+    ctx.step = int(info["step"])
+    ctx.last_metrics = {k: v for k, v in info.items() if "/" in k and not k.startswith("timing/")}
+    ctx.logger.truncate_after(ctx.step)
+    log.info("resumed from %s (step %d)", path, ctx.step)
+
+
+def save_checkpoint(ctx: RunContext) -> Path | None:
+    """Writes ``step_N`` for the current step (no-op when checkpointing is disabled)."""
+    if ctx.checkpoints is None:
+        return None
+    return ctx.checkpoints.save(
+        ctx.step,
+        config_yaml=config_to_yaml(ctx.cfg),
+        training_info=ctx.training_info(),
+        dataloader_state=ctx.loader.state_dict(),
+        write_policy=ctx.worker.save,
+    )
+
+
+def should_checkpoint(ctx: RunContext) -> bool:
+    c = ctx.cfg.checkpointing
+    return c.enabled and (ctx.step % c.save_period == 0 or ctx.step == ctx.total_steps)
+
+
+def should_validate(step: int, total: int, period: int, at_end: bool) -> bool:
+    return (period > 0 and step % period == 0) or (at_end and step == total)
+
+
+def run_loop(
+    ctx: RunContext, name: str, step_fn: Callable[[], dict[str, float]], validate_fn: Callable[[], dict[str, float]],
+    *, val_period: int, val_at_start: bool, val_at_end: bool,
+) -> dict[str, float]:
+    """Drives ``step_fn`` from the resumed step to ``total_steps``: validate, checkpoint, log, plot.
+
+    Returns the metrics of the last step (validation included when it ran).
+    """
+    if ctx.step >= ctx.total_steps:
+        log.info("%s: already complete at step %d/%d; nothing to do", name, ctx.step, ctx.total_steps)
+        return ctx.last_metrics
+    if ctx.step == 0 and val_at_start:
+        ctx.last_metrics = validate_fn()
+        ctx.logger.log(0, ctx.last_metrics)
+    progress = Progress(ctx.total_steps, ctx.step, name, ctx.cfg.logger.progress_bar)
+    metrics: dict[str, float] = {}
+    while ctx.step < ctx.total_steps:
+        metrics = step_fn()
+        ctx.step += 1
+        if should_validate(ctx.step, ctx.total_steps, val_period, val_at_end):
+            metrics.update(validate_fn())
+        ctx.last_metrics = {**ctx.last_metrics, **metrics}
+        if should_checkpoint(ctx):
+            start = time.perf_counter()
+            save_checkpoint(ctx)
+            metrics["timing/checkpoint"] = time.perf_counter() - start
+        ctx.logger.log(ctx.step, metrics)
+        progress.update()
+        progress.write(format_step_line(ctx.step, ctx.total_steps, metrics))
+    progress.close()
+    plot_run(ctx.logger.log_dir)
+    return metrics

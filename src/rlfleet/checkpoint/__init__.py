@@ -1,0 +1,28 @@
+"""Checkpointing: atomic ``step_N`` directories (NeMo RL layout), DCP policy I/O, HF export."""
+
+from rlfleet.checkpoint.dcp_io import (
+    capture_rng_state,
+    load_model_state_dict,
+    load_policy,
+    restore_rng_state,
+    save_policy,
+)
+from rlfleet.checkpoint.export import build_model_from_name, export_hf
+from rlfleet.checkpoint.manager import (
+    CheckpointManager,
+    is_complete_checkpoint,
+    normalize_metric_name,
+)
+
+__all__ = [
+    "CheckpointManager",
+    "build_model_from_name",
+    "capture_rng_state",
+    "export_hf",
+    "is_complete_checkpoint",
+    "load_model_state_dict",
+    "load_policy",
+    "normalize_metric_name",
+    "restore_rng_state",
+    "save_policy",
+]

@@ -1,0 +1,110 @@
+"""The ``rlfleet`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rlfleet.config import ConfigError, MasterConfig, check_config, config_to_yaml, load_recipe, resolve_recipe_path
+
+log = logging.getLogger("rlfleet")
+
+
+def _quiet_third_party() -> None:
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _load(recipe: str, overrides: Sequence[str]) -> MasterConfig:
+    return load_recipe(resolve_recipe_path(recipe), list(overrides))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = _load(args.recipe, args.overrides)
+    if args.command == "grpo":
+        from rlfleet.algorithms.grpo import grpo_train
+
+        grpo_train(cfg)
+    else:
+        from rlfleet.algorithms.sft import sft_train
+
+        sft_train(cfg)
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    cfg = _load(args.recipe, args.overrides)
+    check_config(cfg, args.algorithm)
+    print(config_to_yaml(cfg), end="")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from rlfleet.checkpoint import export_hf
+
+    out = export_hf(Path(args.checkpoint), Path(args.out_dir))
+    print(f"exported {args.checkpoint} -> {out}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from rlfleet.demo import run_demo
+
+    run_demo(Path(args.out), args.overrides)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlfleet", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("grpo", "GRPO training"), ("sft", "supervised fine-tuning")):
+        p = sub.add_parser(name, help=help_text, description=f"{help_text}: RECIPE plus key=value overrides")
+        p.add_argument("recipe", help="recipe YAML path or shipped recipe name")
+        p.add_argument("overrides", nargs="*", help="overrides such as grpo.max_num_steps=10")
+        p.set_defaults(func=cmd_train)
+    p = sub.add_parser("validate", help="print the resolved config, or every error in it")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--algorithm", choices=["grpo", "sft"], default="grpo")
+    p.set_defaults(func=cmd_validate)
+    p = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
+    p.add_argument("checkpoint", help="a step_N checkpoint directory")
+    p.add_argument("out_dir")
+    p.set_defaults(func=cmd_export)
+    p = sub.add_parser("demo", help="the embedded default: tiny model, SFT warm start, GRPO (CPU, offline)")
+    p.add_argument("--out", default="runs/demo", help="where models, checkpoints and logs go")
+    p.add_argument("overrides", nargs="*", help="overrides for the GRPO stage")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
+    _quiet_third_party()
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"rlfleet: configuration error:\n{exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"rlfleet: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("rlfleet: interrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

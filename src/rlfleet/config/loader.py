@@ -1,0 +1,515 @@
+"""Loading, overriding, validating and checking recipes.
+
+A recipe is a YAML file whose top-level ``defaults:`` names parent recipes (NeMo RL style); command-line
+overrides follow Hydra's grammar (see :mod:`rlfleet.config.overrides`); the merged mapping is validated
+against :class:`~rlfleet.config.schema.MasterConfig`, then :func:`check_config` checks what one field alone
+cannot. Every user-facing problem raises :class:`ConfigError`, whose message lists all problems found, one
+per line, each naming the dotted key, the offending value, the constraint and a fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import types
+import typing
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+import rlfleet
+from rlfleet.config.errors import ConfigError, deep_merge, got, short_repr
+from rlfleet.config.overrides import Override, apply_overrides, parse_override
+from rlfleet.config.schema import MasterConfig
+
+__all__ = [
+    "LOGGED_METRICS",
+    "ConfigError",
+    "MasterConfig",
+    "Override",
+    "apply_overrides",
+    "check_config",
+    "config_to_yaml",
+    "deep_merge",
+    "load_recipe",
+    "load_yaml_with_defaults",
+    "normalize_metric_name",
+    "parse_override",
+    "resolve_recipe_path",
+    "schema_keys",
+    "shipped_recipe_dirs",
+    "shipped_recipe_names",
+    "validate_config",
+]
+
+Algorithm = Literal["grpo", "sft"]
+
+LOGGED_METRICS: dict[str, frozenset[str]] = {
+    "grpo": frozenset({"val/accuracy", "val/mean_response_length", "train/reward", "train/loss", "train/kl"}),
+    "sft": frozenset({"val/accuracy", "val/mean_response_length", "train/loss"}),
+}
+"""Metrics each algorithm logs: the valid ``checkpointing.metric_name`` values (``:`` and ``/`` are equal)."""
+
+
+def normalize_metric_name(name: str) -> str:
+    """``val:accuracy`` -> ``val/accuracy`` (NeMo RL writes ``:``, loggers write ``/``)."""
+    return name.strip().replace(":", "/")
+
+
+# --------------------------------------------------------------------------------------------- YAML files
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """SafeLoader as OmegaConf configures it: ``1e-5`` is a float, dates stay strings, duplicate keys fail."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[str] = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"found duplicate key {key_node.value!r}",
+                        key_node.start_mark,
+                    )
+                seen.add(key_node.value)
+        return super().construct_mapping(node, deep=deep)
+
+
+_DROPPED_RESOLVERS = ("tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp")
+_RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in _DROPPED_RESOLVERS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?[0-9][0-9_]*(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _read_mapping(path: Path, referenced_by: Path | None) -> dict[str, Any]:
+    via = f" (referenced by `defaults` in {referenced_by})" if referenced_by else ""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"recipe file not found: {path}{via}; fix the path or create the file") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read recipe file {path}{via}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.load(text, Loader=_RecipeLoader)  # a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = exc.problem or exc.context or "syntax error"
+        raise ConfigError(f"invalid YAML in {path}{where}: {problem}; fix the syntax there") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML in {path}: {exc}; fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"recipe {path}{via}: top level is {type(data).__name__}, expected a mapping of sections "
+            "(e.g. `policy:`, `grpo:`); fix the file so its top level is `key: value` pairs"
+        )
+    return data
+
+
+def _parent_paths(defaults: Any, child: Path) -> list[Path | None]:
+    """Parent recipe paths named by ``defaults`` (``None`` marks Hydra's ``_self_`` position)."""
+    entries = [] if defaults is None else [defaults] if isinstance(defaults, str) else defaults
+    if not isinstance(entries, list) or not all(isinstance(e, str) and e for e in entries):
+        raise ConfigError(
+            f"{child}: defaults: got {short_repr(defaults)}, expected a parent recipe path or a list of "
+            "paths (relative to this file); fix e.g. `defaults: ../base.yaml`"
+        )
+    paths: list[Path | None] = []
+    for entry in entries:
+        if entry == "_self_":
+            paths.append(None)
+            continue
+        path = Path(entry).expanduser()
+        path = path if path.is_absolute() else child.parent / path
+        with_suffix = path.with_name(path.name + ".yaml")
+        if not path.exists() and path.suffix not in (".yaml", ".yml") and with_suffix.exists():
+            path = with_suffix  # Hydra names parents without the extension
+        paths.append(path)
+    return paths
+
+
+def _load_recursive(path: Path, chain: tuple[Path, ...], referenced_by: Path | None) -> dict[str, Any]:
+    resolved = path.resolve()
+    if resolved in chain:
+        cycle = [*chain[chain.index(resolved) :], resolved]
+        raise ConfigError(
+            "recipe `defaults` form a cycle: "
+            + " -> ".join(str(p) for p in cycle)
+            + "; fix: remove one of these `defaults` entries"
+        )
+    data = _read_mapping(path, referenced_by)
+    parents = _parent_paths(data.pop("defaults", None), path)
+    if None not in parents:
+        parents.append(None)  # Hydra: `_self_` is implicitly last, so the child wins
+    merged: dict[str, Any] = {}
+    for parent in parents:
+        layer = data if parent is None else _load_recursive(parent, (*chain, resolved), path)
+        merged = deep_merge(merged, layer)
+    return merged
+
+
+def load_yaml_with_defaults(path: str | Path) -> dict[str, Any]:
+    """Read a recipe and, recursively, the parents its ``defaults:`` names, merged with the child winning.
+
+    ``defaults`` is a path or a list of paths, relative to the file that names them; parents are merged in
+    order, then the child on top (or at the position of a ``_self_`` entry, as in Hydra).
+
+    Raises:
+        ConfigError: a file is missing or unreadable, is not YAML, is not a mapping, or defaults cycle.
+    """
+    return _load_recursive(Path(path).expanduser(), (), None)
+
+
+# --------------------------------------------------------------------------------------------- schema
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The BaseModel a field holds (directly or as ``Model | None``), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        models = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        return models[0] if len(models) == 1 else None
+    return None
+
+
+def _paths(model: type[BaseModel], prefix: str, sections: bool) -> list[str]:
+    paths: list[str] = []
+    for name, field in model.model_fields.items():
+        sub = _submodel(field.annotation)
+        if sub is None:
+            paths.append(prefix + name)
+            continue
+        if sections:
+            paths.append(prefix + name)
+        paths.extend(_paths(sub, f"{prefix}{name}.", sections))
+    return paths
+
+
+def schema_keys() -> list[str]:
+    """Every dotted leaf key of :class:`MasterConfig` (``policy.optimizer.kwargs.lr``, ...), in order."""
+    return _paths(MasterConfig, "", sections=False)
+
+
+@cache
+def _all_paths() -> tuple[str, ...]:
+    return tuple(_paths(MasterConfig, "", sections=True))
+
+
+@cache
+def _defaults() -> dict[str, Any]:
+    return MasterConfig().model_dump(mode="json")
+
+
+def _model_at(loc: Sequence[Any]) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = MasterConfig
+    for part in loc:
+        field = model.model_fields.get(part) if model and isinstance(part, str) else None
+        model = _submodel(field.annotation) if field else None
+    return model
+
+
+def _dotted(loc: Sequence[Any]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else f".{part}" if text else str(part)
+    return text or "<top level>"
+
+
+def config_to_yaml(cfg: MasterConfig) -> str:
+    """The whole config as YAML (every key, defaults included), loadable as a recipe."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+# --------------------------------------------------------------------------------------------- validation
+
+_EXPECTED = {
+    "int_parsing": "an integer",
+    "int_type": "an integer",
+    "int_from_float": "an integer (a whole number)",
+    "float_parsing": "a number",
+    "float_type": "a number",
+    "finite_number": "a finite number",
+    "bool_parsing": "a boolean (true or false)",
+    "bool_type": "a boolean (true or false)",
+    "string_type": "a string (quote it in YAML if it looks like a number or boolean)",
+    "model_type": "a mapping of this section's keys",
+    "model_attributes_type": "a mapping of this section's keys",
+    "dict_type": "a mapping",
+    "list_type": "a list",
+    "tuple_type": "a list",
+}
+_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+
+
+def _expected(error: Any) -> str:
+    kind, ctx = error["type"], error.get("ctx") or {}
+    if kind in _EXPECTED:
+        return _EXPECTED[kind]
+    if kind == "literal_error":
+        return f"one of {ctx.get('expected')}"
+    if kind in _BOUNDS:
+        bound = next(iter(ctx.values()), "?")
+        return f"a value {_BOUNDS[kind]} {bound}"
+    msg: str = error["msg"]
+    return msg[:1].lower() + msg[1:]
+
+
+def _fix(loc: Sequence[Any]) -> str:
+    node: Any = _defaults()
+    field_loc: list[str] = []
+    for part in loc:
+        if not (isinstance(part, str) and isinstance(node, dict) and part in node):
+            break
+        node, field_loc = node[part], [*field_loc, part]
+    key = _dotted(field_loc)
+    if isinstance(node, dict):
+        return f"give {key} a mapping of its keys, or remove it to use the section's defaults"
+    return f"set {key} to a valid value, or remove it to use the default {short_repr(node)}"
+
+
+def _unknown_key(loc: Sequence[Any], value: Any) -> str:
+    dotted, name, parent = _dotted(loc), str(loc[-1]), loc[:-1]
+    model = _model_at(parent)
+    level = list(model.model_fields) if model else []
+    prefix = f"{_dotted(parent)}." if parent else ""
+    candidates = [prefix + m for m in difflib.get_close_matches(name, level, n=3, cutoff=0.6)]
+    candidates += [p for p in _all_paths() if p.rsplit(".", 1)[-1] == name]  # same key in another section
+    candidates += [
+        p
+        for p in difflib.get_close_matches(dotted, _all_paths(), n=3, cutoff=0.85)
+        if not dotted.startswith(p + ".")  # an ancestor section is no suggestion
+    ]
+    candidates = list(dict.fromkeys(candidates))[:3]
+    where = f"section {_dotted(parent)}" if parent else "the top level"
+    if candidates:
+        hint = "did you mean " + " or ".join(candidates) + "?"
+    else:
+        hint = f"valid keys there: {', '.join(level)}."
+    return (
+        f"{dotted}: unknown key (value {short_repr(value)}); {where} has no such field, {hint} "
+        "Fix the spelling or remove the key"
+    )
+
+
+def _describe(error: Any) -> str:
+    loc, kind = error["loc"], error["type"]
+    if kind == "extra_forbidden":
+        return _unknown_key(loc, error.get("input"))
+    if kind in ("value_error", "assertion_error"):
+        return f"{_dotted(loc)}: {error['msg'].removeprefix('Value error, ')}"
+    return f"{_dotted(loc)}: {got(error.get('input'))}, expected {_expected(error)}; fix: {_fix(loc)}"
+
+
+def validate_config(raw: dict[str, Any]) -> MasterConfig:
+    """Build the :class:`MasterConfig` of a merged recipe mapping.
+
+    Raises:
+        ConfigError: listing every schema violation at once; an unknown key names the closest valid keys.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"config: {got(raw)}, expected a mapping of sections (policy, grpo, ...); "
+            "fix the recipe's top level"
+        )
+    try:
+        return MasterConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = [_describe(error) for error in exc.errors(include_url=False)]
+        raise ConfigError(problems, header=f"invalid config ({len(problems)} problem(s)):") from exc
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> MasterConfig:
+    """Load a recipe file with its ``defaults``, apply command-line ``overrides`` and validate it.
+
+    Raises:
+        ConfigError: listing the problems of the file, the overrides or the resulting config.
+    """
+    raw = apply_overrides(load_yaml_with_defaults(path), overrides)
+    try:
+        return validate_config(raw)
+    except ConfigError as exc:
+        source = f"recipe {path}" + (" with its command-line overrides" if overrides else "")
+        header = f"{source} is invalid ({len(exc.problems)} problem(s)):"
+        raise ConfigError(exc.problems, header=header) from exc
+
+
+# ------------------------------------------------------------------------------------- cross-field checks
+
+
+def _divisors_near(number: int, target: int, multiple_of: int = 1, count: int = 3) -> list[int]:
+    """Up to ``count`` divisors of ``number`` nearest ``target``, preferring multiples of ``multiple_of``."""
+    small = [d for d in range(1, math.isqrt(number) + 1) if number % d == 0]
+    divisors = sorted({*small, *(number // d for d in small)})
+    preferred = [d for d in divisors if d % multiple_of == 0] or divisors
+    return sorted(sorted(preferred, key=lambda d: (abs(d - target), d))[:count])
+
+
+def _check_batches(cfg: MasterConfig, algorithm: Algorithm) -> list[str]:
+    policy, problems = cfg.policy, []
+    batch, micro = policy.train_global_batch_size, policy.train_micro_batch_size
+    if algorithm == "grpo":
+        prompts, group = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
+        samples = prompts * group
+        if samples % batch:
+            step = batch // math.gcd(batch, group)
+            prompts_hint = max(step, round(prompts / step) * step)
+            suggestions = ", ".join(map(str, _divisors_near(samples, batch, micro)))
+            problems.append(
+                f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {prompts} * {group} = "
+                f"{samples} samples per step, which policy.train_global_batch_size={batch} does not divide, "
+                f"so the step's samples do not form whole optimizer batches; fix: set "
+                f"policy.train_global_batch_size to a divisor of {samples} (e.g. {suggestions}) or "
+                f"grpo.num_prompts_per_step to a multiple of {step} (e.g. {prompts_hint})"
+            )
+    if batch % micro:
+        suggestions = ", ".join(map(str, _divisors_near(batch, micro)))
+        problems.append(
+            f"policy.train_global_batch_size={batch} is not divisible by "
+            f"policy.train_micro_batch_size={micro}, so gradient accumulation cannot cover the batch "
+            f"exactly; fix: set policy.train_micro_batch_size to a divisor of {batch} (e.g. {suggestions})"
+        )
+    return problems
+
+
+def _check_lengths(cfg: MasterConfig) -> list[str]:
+    new_tokens, total = cfg.policy.generation.max_new_tokens, cfg.policy.max_total_sequence_length
+    if new_tokens < total:
+        return []
+    return [
+        f"policy.generation.max_new_tokens={new_tokens} must be < policy.max_total_sequence_length={total}, "
+        f"since the prompt and the response share that length; fix: lower policy.generation.max_new_tokens "
+        f"(e.g. {max(1, total // 2)}) or raise policy.max_total_sequence_length (e.g. {2 * new_tokens})"
+    ]
+
+
+def _check_metric(cfg: MasterConfig, algorithm: Algorithm) -> list[str]:
+    ckpt = cfg.checkpointing
+    if not ckpt.enabled or ckpt.keep_top_k is None or ckpt.metric_name is None:
+        return []
+    logged = LOGGED_METRICS[algorithm]
+    if normalize_metric_name(ckpt.metric_name) in logged:
+        return []
+    close = difflib.get_close_matches(normalize_metric_name(ckpt.metric_name), sorted(logged), n=1, cutoff=0)
+    return [
+        f"checkpointing.metric_name: got {ckpt.metric_name!r}, but {algorithm} logs only "
+        f"{', '.join(sorted(logged))} (':' and '/' are interchangeable), so checkpoints could not be ranked; "
+        f"fix: set checkpointing.metric_name to one of those (e.g. {close[0]}), or "
+        "checkpointing.keep_top_k=null to keep every checkpoint"
+    ]
+
+
+def _check_grpo(cfg: MasterConfig) -> list[str]:
+    if cfg.grpo.num_generations_per_prompt >= 2 or not cfg.grpo.use_leave_one_out_baseline:
+        return []
+    return [
+        "grpo.use_leave_one_out_baseline=true needs grpo.num_generations_per_prompt >= 2 (got "
+        f"{cfg.grpo.num_generations_per_prompt}): the baseline is the mean reward of the prompt's other "
+        "samples; fix: set grpo.num_generations_per_prompt to 2 or more (e.g. 8) or "
+        "grpo.use_leave_one_out_baseline=false"
+    ]
+
+
+def _check_resources(cfg: MasterConfig) -> list[str]:
+    colocated = cfg.policy.generation.colocated
+    if colocated.enabled:
+        return []
+    prefix = "policy.generation.colocated.resources"
+    return [
+        f"{prefix}.{name}: got None, but policy.generation.colocated.enabled=false (generation on its own "
+        f"GPUs) needs it; fix: set {prefix}.{name} to an integer >= 1, or "
+        "policy.generation.colocated.enabled=true"
+        for name in ("num_nodes", "gpus_per_node")
+        if getattr(colocated.resources, name) is None
+    ]
+
+
+def check_config(cfg: MasterConfig, algorithm: Algorithm) -> None:
+    """Check what single fields cannot: batch arithmetic, lengths, the checkpoint metric, resources.
+
+    Raises:
+        ConfigError: listing every problem for ``algorithm`` (``"grpo"`` or ``"sft"``).
+    """
+    if algorithm not in LOGGED_METRICS:
+        raise ConfigError(
+            f"algorithm: got {algorithm!r}, expected one of {', '.join(sorted(LOGGED_METRICS))}; "
+            "fix: pass 'grpo' or 'sft'"
+        )
+    problems: list[str] = []
+    if not cfg.policy.model_name.strip():
+        problems.append(
+            f"policy.model_name: got {cfg.policy.model_name!r}, expected a Hugging Face hub id or a local "
+            "model directory; fix: set it in the recipe or on the command line "
+            "(e.g. policy.model_name=Qwen/Qwen2.5-0.5B-Instruct)"
+        )
+    problems += _check_batches(cfg, algorithm)
+    if algorithm == "grpo":
+        problems += _check_lengths(cfg) + _check_grpo(cfg)
+    problems += _check_metric(cfg, algorithm) + _check_resources(cfg)
+    if problems:
+        raise ConfigError(problems, header=f"config cannot run {algorithm} ({len(problems)} problem(s)):")
+
+
+# ---------------------------------------------------------------------------------------- shipped recipes
+
+
+def shipped_recipe_dirs() -> list[Path]:
+    """Existing shipped-recipe directories: ``<repo>/recipes`` (editable install), ``rlfleet/_recipes``."""
+    package_file = Path(rlfleet.__file__)
+    candidates = [package_file.parents[2] / "recipes", package_file.parent / "_recipes"]
+    return [d for d in dict.fromkeys(c.resolve() for c in candidates) if d.is_dir()]
+
+
+def shipped_recipe_names() -> list[str]:
+    """Names of the shipped recipes (paths below a recipe directory, without ``.yaml``)."""
+    names = {
+        f.relative_to(d).with_suffix("").as_posix() for d in shipped_recipe_dirs() for f in d.rglob("*.yaml")
+    }
+    return sorted(names)
+
+
+def resolve_recipe_path(name_or_path: str | Path) -> Path:
+    """An existing recipe file, else the shipped recipe of that name (``.yaml`` optional).
+
+    Raises:
+        ConfigError: neither exists; the message lists the shipped recipe names.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path.resolve()
+    if path.is_dir():
+        raise ConfigError(f"recipe {str(name_or_path)!r} is a directory; fix: pass a YAML file in it")
+    name = str(name_or_path)
+    for directory in shipped_recipe_dirs():
+        for candidate in (directory / name, directory / f"{name}.yaml"):
+            if candidate.is_file():
+                return candidate.resolve()
+    names = shipped_recipe_names()
+    close = difflib.get_close_matches(name.removesuffix(".yaml"), names, n=3)
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    raise ConfigError(
+        f"recipe {name!r} is neither an existing file nor a shipped recipe (shipped: "
+        f"{', '.join(names) or 'none found'}).{hint} Fix: pass the path of a YAML recipe or a shipped name"
+    )

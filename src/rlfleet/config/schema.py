@@ -1,0 +1,232 @@
+"""The one config schema of rlfleet.
+
+Key names follow NeMo RL wherever NeMo RL has the key (``grpo.*``, ``loss_fn.*``, ``policy.*``, ``data.*``,
+``env.*``, ``logger.*``, ``checkpointing.*``, ``cluster.*``), so a NeMo RL recipe and its command-line
+overrides carry over. Every default is defined here and only here; components receive explicit arguments
+taken from these models, never the whole config with ``.get(key, default)``.
+
+Every model forbids unknown keys: a typo is an error (see ``rlfleet.config.loader`` for the message that
+names the closest valid keys).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Strict(BaseModel):
+    """Base for every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------------- algorithms
+
+
+class GRPOConfig(Strict):
+    num_prompts_per_step: int = Field(8, ge=1, description="Distinct prompts per step.")
+    num_generations_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the group size G).")
+    max_num_steps: int = Field(100, ge=0, description="Stop after this many GRPO steps.")
+    max_num_epochs: int = Field(1, ge=1, description="Stop after this many passes over the training prompts.")
+    normalize_rewards: bool = Field(True, description="Divide advantages by the group std (where std > 0).")
+    use_leave_one_out_baseline: bool = Field(True, description="Baseline = mean of the *other* samples.")
+    val_period: int = Field(10, ge=0, description="Validate every N steps (0 = only at start/end).")
+    val_at_start: bool = Field(True, description="Validate before the first step.")
+    val_at_end: bool = Field(True, description="Validate after the last step.")
+    max_val_samples: int = Field(256, ge=1, description="Validation prompts used (first N).")
+    val_greedy: bool = Field(True, description="Greedy decoding for validation (else the train sampler).")
+    seed: int = Field(42, description="Seeds data order, generation sampling and initialisation.")
+
+
+class SFTConfig(Strict):
+    """Supervised fine-tuning on (prompt, worked answer) pairs; batch sizes come from ``policy.*``."""
+
+    max_num_steps: int = Field(100, ge=0)
+    max_num_epochs: int = Field(1, ge=1)
+    val_period: int = Field(10, ge=0)
+    val_at_start: bool = True
+    val_at_end: bool = True
+    max_val_samples: int = Field(256, ge=1)
+    seed: int = 42
+
+
+class LossConfig(Strict):
+    """Clipped policy-gradient loss with a k3 KL penalty to the reference policy (NeMo RL ``loss_fn``)."""
+
+    reference_policy_kl_penalty: float = Field(0.01, ge=0.0, description="beta, the KL coefficient.")
+    reference_policy_kl_type: Literal["k3"] = "k3"
+    kl_input_clamp_value: float | None = Field(20.0, gt=0.0)
+    kl_output_clamp_value: float | None = Field(10.0, gt=0.0)
+    ratio_clip_min: float = Field(0.2, ge=0.0, description="eps_low: ratio clipped below at 1 - eps_low.")
+    ratio_clip_max: float = Field(0.2, ge=0.0, description="eps_high: ratio clipped above at 1 + eps_high.")
+    ratio_clip_c: float | None = Field(None, gt=1.0, description="Dual-clip constant c (> 1) or null.")
+    token_level_loss: bool = Field(True, description="Mean over all tokens of the batch (else per sequence).")
+    use_importance_sampling_correction: bool = Field(
+        False, description="Weight by pi_prev / pi_sampler using the generation backend's logprobs."
+    )
+
+
+# --------------------------------------------------------------------------------------------- policy
+
+
+class OptimizerKwargs(Strict):
+    lr: float = Field(5e-6, gt=0.0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0)
+
+
+class OptimizerConfig(Strict):
+    name: Literal["torch.optim.AdamW", "AdamW"] = "torch.optim.AdamW"
+    kwargs: OptimizerKwargs = OptimizerKwargs()
+
+
+class SchedulerConfig(Strict):
+    """Linear warm-up from ``warmup_start_factor`` x lr to lr over ``warmup_steps`` optimizer steps."""
+
+    warmup_steps: int = Field(50, ge=0)
+    warmup_start_factor: float = Field(0.1, gt=0.0, le=1.0)
+
+
+class ResourcesConfig(Strict):
+    num_nodes: int | None = Field(None, ge=1)
+    gpus_per_node: int | None = Field(None, ge=1)
+
+
+class ColocatedConfig(Strict):
+    enabled: bool = True
+    resources: ResourcesConfig = ResourcesConfig()
+
+
+class VllmConfig(Strict):
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.6, gt=0.0, le=1.0)
+    max_model_len: int | None = Field(None, ge=1)
+
+
+class GenerationConfig(Strict):
+    backend: Literal["hf"] = "hf"
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1)
+    batch_size: int = Field(64, ge=1, description="Sequences per generate() call.")
+    colocated: ColocatedConfig = ColocatedConfig()
+    vllm_cfg: VllmConfig = VllmConfig()
+
+
+class DTensorConfig(Strict):
+    enabled: bool = True
+    tensor_parallel_size: int = Field(1, ge=1)
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    sequence_parallel: bool = False
+
+
+class TokenizerConfig(Strict):
+    name: str | None = Field(None, description="Tokenizer id/path; defaults to policy.model_name.")
+
+
+class PolicyConfig(Strict):
+    model_name: str = Field("", description="Hugging Face hub id or local directory of the policy model.")
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    train_global_batch_size: int = Field(64, ge=1, description="Sequences per optimizer step.")
+    train_micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass.")
+    logprob_batch_size: int = Field(16, ge=1, description="Sequences per logprob forward pass.")
+    max_total_sequence_length: int = Field(512, ge=8)
+    precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    generation: GenerationConfig = GenerationConfig()
+    dtensor_cfg: DTensorConfig = DTensorConfig()
+
+
+# --------------------------------------------------------------------------------------------- data / env
+
+
+class ArithmeticConfig(Strict):
+    """The built-in procedurally generated word-problem task (GSM8k format)."""
+
+    num_train: int = Field(4096, ge=1)
+    num_val: int = Field(256, ge=1)
+    min_ops: int = Field(1, ge=1, description="Fewest arithmetic operations per problem.")
+    max_ops: int = Field(2, ge=1, description="Most arithmetic operations per problem.")
+    max_operand: int = Field(20, ge=2, description="Operands are drawn from [1, max_operand].")
+    operations: list[Literal["+", "-", "*"]] = ["+", "-"]
+    seed: int = 1234
+
+    @model_validator(mode="after")
+    def _ops_order(self) -> ArithmeticConfig:
+        if self.min_ops > self.max_ops:
+            raise ValueError(
+                f"data.arithmetic.min_ops={self.min_ops} exceeds max_ops={self.max_ops}; set min_ops <= max_ops"
+            )
+        return self
+
+
+class DataConfig(Strict):
+    dataset_name: Literal["arithmetic"] = "arithmetic"
+    max_input_seq_length: int | None = Field(None, ge=1, description="Longer prompts are dropped.")
+    shuffle: bool = True
+    system_prompt: str | None = Field(None, description="Optional system message for the chat template.")
+    arithmetic: ArithmeticConfig = ArithmeticConfig()
+
+
+class MathEnvConfig(Strict):
+    num_workers: int = Field(8, ge=1)
+    reward_fn: str = Field("rlfleet.rewards.math_reward", description="Dotted path of the reward function.")
+
+
+class EnvConfig(Strict):
+    math: MathEnvConfig = MathEnvConfig()
+
+
+# --------------------------------------------------------------------------------------------- logging etc.
+
+
+class TensorboardConfig(Strict):
+    log_dir: str | None = Field(None, description="Defaults to <logger.log_dir>/tensorboard.")
+
+
+class LoggerConfig(Strict):
+    log_dir: str = "logs"
+    tensorboard_enabled: bool = True
+    wandb_enabled: bool = False
+    mlflow_enabled: bool = False
+    num_samples_to_log: int = Field(4, ge=0, description="Generations written to samples.jsonl per step.")
+    progress_bar: bool = True
+    tensorboard: TensorboardConfig = TensorboardConfig()
+
+
+class CheckpointingConfig(Strict):
+    enabled: bool = True
+    checkpoint_dir: str = "results/checkpoints"
+    metric_name: str | None = Field("val:accuracy", description="Logged metric ranking checkpoints.")
+    higher_is_better: bool = True
+    keep_top_k: int | None = Field(3, ge=1)
+    save_period: int = Field(10, ge=1)
+
+
+class ClusterConfig(Strict):
+    num_nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(1, ge=0)
+
+
+# --------------------------------------------------------------------------------------------- root
+
+
+class MasterConfig(Strict):
+    """A whole recipe. Sections an algorithm does not use keep their defaults and are ignored by it."""
+
+    grpo: GRPOConfig = GRPOConfig()
+    sft: SFTConfig = SFTConfig()
+    loss_fn: LossConfig = LossConfig()
+    policy: PolicyConfig = PolicyConfig()
+    data: DataConfig = DataConfig()
+    env: EnvConfig = EnvConfig()
+    logger: LoggerConfig = LoggerConfig()
+    checkpointing: CheckpointingConfig = CheckpointingConfig()
+    cluster: ClusterConfig = ClusterConfig()

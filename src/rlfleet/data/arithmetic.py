@@ -1,0 +1,92 @@
+"""A built-in, seeded, procedurally generated task: arithmetic word problems in GSM8k format.
+
+Each problem starts with a quantity and applies ``min_ops..max_ops`` operations to it. The worked answer
+writes one equation per line and ends with ``#### N``, as GSM8k does, so everything downstream (prompts,
+rewards, SFT targets) treats this task exactly like GSM8k.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from rlfleet.data.types import Example
+
+_NAMES = ("Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jade", "Kai", "Lena", "Max", "Nora")
+_ITEMS = ("apples", "books", "coins", "pens", "stamps", "shells", "cards", "marbles", "eggs", "stickers")
+_PHRASES: dict[str, tuple[str, ...]] = {
+    "+": ("{name} buys {n} more {item}.", "{name} finds {n} more {item}.", "A friend gives {name} {n} {item}."),
+    "-": ("{name} gives away {n} {item}.", "{name} loses {n} {item}.", "{name} sells {n} {item}."),
+    "*": ("Then the number of {item} becomes {n} times as large.", "{name} ends up with {n} times as many."),
+}
+_SYMBOL = {"+": "+", "-": "-", "*": "*"}
+
+
+def _apply(op: str, total: int, n: int) -> int:
+    if op == "+":
+        return total + n
+    if op == "-":
+        return total - n
+    return total * n
+
+
+def _pick_operand(rng: random.Random, op: str, total: int, max_operand: int) -> int:
+    if op == "-":
+        return rng.randint(1, max(1, min(total, max_operand)))  # never go below zero
+    if op == "*":
+        return rng.randint(2, max(2, min(5, max_operand)))
+    return rng.randint(1, max_operand)
+
+
+def make_problem(
+    rng: random.Random, *, min_ops: int, max_ops: int, max_operand: int, operations: Sequence[str]
+) -> Example:
+    """Draws one word problem. Pure given the ``rng`` state."""
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    total = rng.randint(1, max_operand)
+    sentences = [f"{name} has {total} {item}."]
+    lines = []
+    for _ in range(rng.randint(min_ops, max_ops)):
+        allowed = [op for op in operations if op != "-" or total > 0]
+        op = rng.choice(allowed or ["+"])
+        n = _pick_operand(rng, op, total, max_operand)
+        new_total = _apply(op, total, n)
+        sentences.append(rng.choice(_PHRASES[op]).format(name=name, item=item, n=n))
+        lines.append(f"{total} {_SYMBOL[op]} {n} = {new_total}")
+        total = new_total
+    sentences.append(f"How many {item} does {name} have now?")
+    answer = "\n".join([*lines, f"#### {total}"])
+    return Example(question=" ".join(sentences), answer=answer, gold=str(total))
+
+
+def generate_arithmetic(
+    num: int, *, seed: int, min_ops: int, max_ops: int, max_operand: int, operations: Sequence[str]
+) -> list[Example]:
+    """Generates ``num`` problems; the same arguments always give the same list."""
+    rng = random.Random(seed)
+    return [
+        make_problem(rng, min_ops=min_ops, max_ops=max_ops, max_operand=max_operand, operations=operations)
+        for _ in range(num)
+    ]
+
+
+def arithmetic_splits(
+    *, num_train: int, num_val: int, seed: int, min_ops: int, max_ops: int, max_operand: int,
+    operations: Sequence[str],
+) -> tuple[list[Example], list[Example]]:
+    """Train and validation splits with no validation question appearing in train."""
+    kwargs = {"min_ops": min_ops, "max_ops": max_ops, "max_operand": max_operand, "operations": operations}
+    val = generate_arithmetic(num_val, seed=seed + 1, **kwargs)
+    val_questions = {ex.question for ex in val}
+    train: list[Example] = []
+    rng = random.Random(seed)
+    for _ in range(20 * num_train + 1000):
+        if len(train) == num_train:
+            return train, val
+        ex = make_problem(rng, **kwargs)
+        if ex.question not in val_questions:
+            train.append(ex)
+    raise ValueError(
+        f"could not draw {num_train} training problems distinct from the {num_val} validation ones; "
+        "raise data.arithmetic.max_operand or max_ops, or lower num_val"
+    )

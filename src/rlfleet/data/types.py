@@ -1,0 +1,35 @@
+"""Typed records passed between the data stage and the algorithms."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Example:
+    """One task row in GSM8k form.
+
+    Attributes:
+        question: The problem statement shown to the model.
+        answer: The worked solution ending in ``#### N`` (the SFT target).
+        gold: The final answer alone (``"72"``), what rewards compare against.
+    """
+
+    question: str
+    answer: str
+    gold: str
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """An ``Example`` rendered through the chat template.
+
+    Attributes:
+        example: The source row.
+        text: The prompt string given to the model (chat template applied, generation prompt added).
+        token_ids: ``text`` tokenised, without padding.
+    """
+
+    example: Example
+    text: str
+    token_ids: tuple[int, ...]

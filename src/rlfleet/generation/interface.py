@@ -1,0 +1,49 @@
+"""The generation-backend interface: token ids in, sampled token ids and their logprobs out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``greedy`` ignores temperature, top-p and top-k."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    greedy: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """One sampled response.
+
+    Attributes:
+        token_ids: Response tokens, ending with EOS when the model stopped by itself.
+        logprobs: The sampler's logprob of each response token (logits / temperature; 0.0 when greedy).
+        text: The response decoded without special tokens.
+        finished: True when the model emitted EOS before ``max_new_tokens``.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str
+    finished: bool
+
+
+class GenerationBackend(Protocol):
+    """What the algorithms need from a generation engine (HF now; our engine and vLLM later)."""
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
+    ) -> list[GenerationResult]:
+        """Samples one response per prompt; the same ``seed`` and inputs give the same outputs."""
+        ...
+
+    def refit(self) -> None:
+        """Makes the backend use the trainer's current weights (a no-op when it shares them)."""
+        ...

@@ -1,0 +1,24 @@
+"""Run logging: metrics JSONL + TensorBoard, sample dumps, console step lines and plots.
+
+``plot_run`` is imported lazily so that importing this package does not pull in matplotlib.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rlfleet.logging.console import Progress, format_step_line
+from rlfleet.logging.metrics import MetricsLogger, read_metrics
+
+if TYPE_CHECKING:
+    from rlfleet.logging.plot import plot_run
+
+__all__ = ["MetricsLogger", "Progress", "format_step_line", "plot_run", "read_metrics"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "plot_run":
+        from rlfleet.logging.plot import plot_run
+
+        return plot_run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,142 @@
+"""Console output: one readable line per training step, and a tqdm progress bar that degrades to prints."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any
+
+from tqdm import tqdm
+
+
+def _fixed(digits: int) -> Callable[[float], str]:
+    return lambda value: f"{value:.{digits}f}"
+
+
+def _small(value: float) -> str:
+    """4 decimals, switching to scientific notation for tiny non-zero values (e.g. early KL)."""
+    if value != 0 and math.isfinite(value) and abs(value) < 1e-3:
+        return f"{value:.2e}"
+    return f"{value:.4f}"
+
+
+def _count(value: float) -> str:
+    return f"{round(value):,}" if math.isfinite(value) else str(value)
+
+
+# (metric key, label, formatter) in display order.
+_FIELDS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
+    ("train/reward", "reward", _fixed(3)),
+    ("train/accuracy", "acc", _fixed(3)),
+    ("train/kl", "kl", _small),
+    ("train/loss", "loss", _small),
+    ("train/grad_norm", "gnorm", _fixed(2)),
+    ("train/num_tokens", "tok", _count),
+)
+_TIMINGS: tuple[tuple[str, str], ...] = (
+    ("timing/generation", "gen"),
+    ("timing/reward", "rew"),
+    ("timing/logprobs", "lp"),
+    ("timing/training", "train"),
+    ("timing/checkpoint", "ckpt"),
+)
+
+
+def _get(metrics: Mapping[str, Any], key: str) -> float | None:
+    value = metrics.get(key)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _timing_part(metrics: Mapping[str, Any]) -> str | None:
+    total = _get(metrics, "timing/total")
+    subs = [(label, _get(metrics, key)) for key, label in _TIMINGS]
+    sub_text = " ".join(f"{label} {value:.1f}" for label, value in subs if value is not None)
+    if total is None and not sub_text:
+        return None
+    text = "time" if total is None else f"time {total:.1f}s"
+    return f"{text} ({sub_text})" if sub_text else text
+
+
+def format_step_line(step: int, total: int, metrics: Mapping[str, float]) -> str:
+    """Formats one step's metrics as a single human-readable line.
+
+    Example: ``step 12/100 | reward 0.438 | acc 0.500 | kl 0.0012 | loss -0.0131 | gnorm 0.82 |
+    tok 4,312 | time 3.2s (gen 1.9 rew 0.0 lp 0.3 train 0.9 ckpt 0.0) | val_acc 0.530``.
+    Missing (or ``None``) metrics are skipped.
+    """
+    parts = [f"step {step}/{total}" if total > 0 else f"step {step}"]
+    for key, label, fmt in _FIELDS:
+        value = _get(metrics, key)
+        if value is not None:
+            parts.append(f"{label} {fmt(value)}")
+    timing = _timing_part(metrics)
+    if timing is not None:
+        parts.append(timing)
+    val_acc = _get(metrics, "val/accuracy")
+    if val_acc is not None:
+        parts.append(f"val_acc {val_acc:.3f}")
+    return " | ".join(parts)
+
+
+class Progress:
+    """A tqdm progress bar over training steps that falls back to plain prints.
+
+    The bar is shown only when ``enabled`` and stderr is a TTY. Either way :meth:`write` emits the line:
+    through ``tqdm.write`` (so it does not break the bar) or as a plain ``print`` to stdout.
+
+    Args:
+        total: Total number of steps.
+        initial: Steps already done (e.g. when resuming from a checkpoint).
+        desc: Bar label.
+        enabled: Whether to draw a bar at all.
+    """
+
+    def __init__(self, total: int, initial: int = 0, desc: str = "train", enabled: bool = True) -> None:
+        self.total = total
+        self.n = initial
+        self._bar: tqdm[Any] | None = None
+        if enabled and sys.stderr is not None and sys.stderr.isatty():
+            self._bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, file=sys.stderr)
+
+    @property
+    def bar_active(self) -> bool:
+        """Whether a tqdm bar is being drawn."""
+        return self._bar is not None
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def write(self, line: str) -> None:
+        if self._bar is not None:
+            tqdm.write(line)
+        else:
+            print(line, flush=True)
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix(**kwargs)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,292 @@
+"""Metric logging: JSON-lines files (always) plus optional TensorBoard.
+
+Every call to :meth:`MetricsLogger.log` appends one flat JSON object to ``<log_dir>/metrics.jsonl``::
+
+    {"step": 12, "train/reward": 0.43, "val/accuracy": null, "timing/generation": 1.9}
+
+Lines are flushed as they are written, so a killed process keeps everything it logged. On resume from a
+checkpoint at step ``k``, :meth:`MetricsLogger.truncate_after` drops every line with ``step > k`` (and any
+torn last line), so the resumed run ends with the same file as an uninterrupted one.
+
+Backends are small objects with ``log(step, metrics)``, ``truncate_after(step)`` and ``close()``; adding
+another sink (W&B, MLflow, ...) means writing one :class:`MetricsBackend` subclass.
+"""
+
+from __future__ import annotations
+
+import json
+import logging as pylogging
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+_LOG = pylogging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+RUN_CONFIG_FILE = "run_config.json"
+
+MetricValue = float | int | None
+
+
+def _to_scalar(value: Any) -> MetricValue:
+    """Converts a Python / numpy / torch scalar to ``int`` or ``float``; NaN and inf become ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if hasattr(value, "item"):  # torch tensors and numpy scalars / 0-d arrays
+        value = value.item()
+        if isinstance(value, bool):
+            return int(value)
+        if isinstance(value, int):
+            return value
+    result = float(value)
+    return result if math.isfinite(result) else None
+
+
+def _to_json_safe(value: Any) -> Any:
+    """Makes an arbitrary sample field JSON-serialisable (non-finite floats become ``None``)."""
+    if isinstance(value, str | bool) or value is None:
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _to_json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_json_safe(v) for v in value]
+    if isinstance(value, int | float) or hasattr(value, "item"):
+        try:
+            return _to_scalar(value)
+        except (TypeError, ValueError, RuntimeError):  # multi-element arrays/tensors
+            pass
+    if hasattr(value, "tolist"):
+        return _to_json_safe(value.tolist())
+    return str(value)
+
+
+def _dumps(obj: Mapping[str, Any]) -> str:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False)
+
+
+def _iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """Yields the JSON objects of a JSON-lines file, skipping blank and torn (unparseable) lines."""
+    if not path.exists():
+        return
+    with path.open("r", encoding="utf-8", errors="replace") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                _LOG.warning("%s:%d: skipping torn/invalid JSON line", path, lineno)
+                continue
+            if isinstance(record, dict):
+                yield record
+
+
+def read_jsonl(path: Path | str) -> list[dict[str, Any]]:
+    """Reads a JSON-lines file into a list of dicts, skipping torn lines; a missing file gives ``[]``."""
+    return list(_iter_jsonl(Path(path)))
+
+
+def read_metrics(log_dir: Path | str) -> list[dict[str, Any]]:
+    """Reads ``<log_dir>/metrics.jsonl`` (one dict per logged step, in file order)."""
+    return read_jsonl(Path(log_dir) / METRICS_FILE)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+class JsonlFile:
+    """An append-only JSON-lines file that is flushed after every line and can be truncated by step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._handle: IO[str] | None = None
+
+    def _open(self) -> IO[str]:
+        if self._handle is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            needs_newline = False
+            if self.path.exists() and self.path.stat().st_size > 0:
+                with self.path.open("rb") as raw:
+                    raw.seek(-1, os.SEEK_END)
+                    needs_newline = raw.read(1) != b"\n"
+            self._handle = self.path.open("a", encoding="utf-8")
+            if needs_newline:  # a torn last line: never glue the next record onto it
+                self._handle.write("\n")
+        return self._handle
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        handle = self._open()
+        handle.write(_dumps(record) + "\n")
+        handle.flush()
+
+    def truncate_after(self, step: int) -> None:
+        """Atomically keeps only the parseable lines whose integer ``step`` is ``<= step``."""
+        self.close()
+        if not self.path.exists():
+            return
+        kept = [
+            _dumps(record) + "\n"
+            for record in _iter_jsonl(self.path)
+            if isinstance(record.get("step"), int) and record["step"] <= step
+        ]
+        _atomic_write_text(self.path, "".join(kept))
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+class MetricsBackend:
+    """Base class of a metrics sink. Subclasses implement :meth:`log`; the rest are optional."""
+
+    def log(self, step: int, metrics: Mapping[str, MetricValue]) -> None:
+        """Records already-sanitised ``metrics`` (``None`` = non-finite value) for ``step``."""
+        raise NotImplementedError
+
+    def truncate_after(self, step: int) -> None:
+        """Forgets everything logged after ``step`` (resume). Sinks that cannot rewrite history no-op."""
+        del step
+
+    def close(self) -> None:
+        """Flushes and releases resources."""
+
+
+class JsonlBackend(MetricsBackend):
+    """Appends one flat JSON object per step to ``<log_dir>/metrics.jsonl``."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.file = JsonlFile(log_dir / METRICS_FILE)
+
+    def log(self, step: int, metrics: Mapping[str, MetricValue]) -> None:
+        self.file.append({"step": step, **metrics})
+
+    def truncate_after(self, step: int) -> None:
+        self.file.truncate_after(step)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorboardBackend(MetricsBackend):
+    """Writes each metric as a TensorBoard scalar (non-finite values are skipped)."""
+
+    def __init__(self, tb_dir: Path, run_config: Mapping[str, Any] | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # heavy import: only when enabled
+
+        self._writer_cls = SummaryWriter
+        self.tb_dir = tb_dir
+        tb_dir.mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(log_dir=str(tb_dir), flush_secs=30)
+        if run_config:
+            config_text = json.dumps(_to_json_safe(run_config), indent=2, sort_keys=True)
+            self.writer.add_text("run_config", f"```\n{config_text}\n```", global_step=0)
+
+    def log(self, step: int, metrics: Mapping[str, MetricValue]) -> None:
+        for key, value in metrics.items():
+            if value is not None:
+                self.writer.add_scalar(key, value, global_step=step)
+
+    def truncate_after(self, step: int) -> None:
+        # Reopening with ``purge_step`` hides events at ``>= step + 1`` from older event files.
+        self.writer.close()
+        self.writer = self._writer_cls(log_dir=str(self.tb_dir), flush_secs=30, purge_step=step + 1)
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()
+
+
+class MetricsLogger:
+    """Logs flat scalar metrics (and generation samples) for a training run.
+
+    Args:
+        log_dir: Directory for ``metrics.jsonl``, ``samples.jsonl`` and ``run_config.json``.
+        tensorboard_enabled: Whether to also write TensorBoard event files.
+        tensorboard_dir: Where TensorBoard events go; defaults to ``<log_dir>/tensorboard``.
+        run_config: Optional run configuration, saved as ``<log_dir>/run_config.json`` (and as TensorBoard
+            text when enabled).
+    """
+
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        tensorboard_enabled: bool,
+        tensorboard_dir: Path | None = None,
+        run_config: dict[str, Any] | None = None,
+    ) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if run_config is not None:
+            text = json.dumps(_to_json_safe(run_config), indent=2, sort_keys=True, allow_nan=False)
+            _atomic_write_text(self.log_dir / RUN_CONFIG_FILE, text + "\n")
+        self.backends: list[MetricsBackend] = [JsonlBackend(self.log_dir)]
+        if tensorboard_enabled:
+            tb_dir = Path(tensorboard_dir) if tensorboard_dir is not None else self.log_dir / "tensorboard"
+            self.backends.append(TensorboardBackend(tb_dir, run_config))
+        self._samples = JsonlFile(self.log_dir / SAMPLES_FILE)
+        self._closed = False
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.log_dir / METRICS_FILE
+
+    @property
+    def samples_path(self) -> Path:
+        return self.log_dir / SAMPLES_FILE
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Logs flat scalar ``metrics`` (e.g. ``{"train/reward": 0.4}``) for ``step``.
+
+        Tensor / numpy scalars are converted with ``float()``; NaN and inf are stored as ``null``.
+        """
+        clean = {str(key): _to_scalar(value) for key, value in metrics.items() if key != "step"}
+        for backend in self.backends:
+            backend.log(int(step), clean)
+
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
+        """Appends one ``{"step": step, **sample}`` line per sample to ``samples.jsonl``."""
+        for sample in samples:
+            fields = {str(k): _to_json_safe(v) for k, v in sample.items() if k != "step"}
+            self._samples.append({"step": int(step), **fields})
+
+    def truncate_after(self, step: int) -> None:
+        """Drops everything logged after ``step`` (call when resuming from a checkpoint at ``step``)."""
+        for backend in self.backends:
+            backend.truncate_after(step)
+        self._samples.truncate_after(step)
+
+    def close(self) -> None:
+        """Flushes and closes every backend; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for backend in self.backends:
+            backend.close()
+        self._samples.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

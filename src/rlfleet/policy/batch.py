@@ -1,0 +1,83 @@
+"""The training batch: right-padded token sequences plus per-token and per-sample tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    """Sequences of ``prompt + response`` tokens, right-padded to a common length ``T``.
+
+    Logprob tensors are aligned with ``input_ids``: position ``t`` holds ``log p(x_t | x_<t)`` (position 0
+    holds 0). ``response_mask`` is 1.0 exactly on response tokens, so masking a logprob tensor with it keeps
+    the tokens the policy generated (EOS included).
+
+    Attributes:
+        input_ids: ``[B, T]`` long.
+        attention_mask: ``[B, T]`` long, 1 on real tokens.
+        response_mask: ``[B, T]`` float, 1 on response tokens.
+        advantages: ``[B]`` per-sample advantages (GRPO), or None.
+        prev_logprobs: ``[B, T]`` logprobs of the policy before this update, or None.
+        ref_logprobs: ``[B, T]`` logprobs of the frozen reference policy, or None.
+        generation_logprobs: ``[B, T]`` logprobs reported by the generation backend, or None.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    advantages: torch.Tensor | None = None
+    prev_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    generation_logprobs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, start: int, stop: int) -> TrainBatch:
+        """Rows ``start:stop``, with trailing all-padding columns removed."""
+        width = int(self.attention_mask[start:stop].sum(dim=1).max())
+        return TrainBatch(
+            **{
+                f.name: _slice(getattr(self, f.name), start, stop, width)
+                for f in fields(self)
+            }
+        )
+
+    def with_(self, **changes: torch.Tensor) -> TrainBatch:
+        return replace(self, **changes)
+
+
+def _slice(value: torch.Tensor | None, start: int, stop: int, width: int) -> torch.Tensor | None:
+    if value is None:
+        return None
+    rows = value[start:stop]
+    return rows[:, :width] if rows.ndim == 2 else rows
+
+
+def collate(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_token_id: int,
+    response_logprobs: Sequence[Sequence[float]] | None = None,
+) -> TrainBatch:
+    """Builds a right-padded batch from prompt and response token lists (one pair per sample)."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    length = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    n = len(prompts)
+    input_ids = torch.full((n, length), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((n, length), dtype=torch.long)
+    response_mask = torch.zeros((n, length), dtype=torch.float32)
+    gen_lp = torch.zeros((n, length), dtype=torch.float32) if response_logprobs is not None else None
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        end = len(p) + len(r)
+        input_ids[i, :end] = torch.tensor([*p, *r], dtype=torch.long)
+        attention[i, :end] = 1
+        response_mask[i, len(p) : end] = 1.0
+        if gen_lp is not None and response_logprobs is not None:
+            gen_lp[i, len(p) : end] = torch.tensor(response_logprobs[i], dtype=torch.float32)
+    return TrainBatch(input_ids, attention, response_mask, generation_logprobs=gen_lp)

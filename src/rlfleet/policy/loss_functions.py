@@ -1,0 +1,75 @@
+"""Loss functions applied by the policy worker to one micro-batch.
+
+A loss function is called as ``loss_fn(logprobs, micro_batch, normalizer) -> (loss, metrics)`` where the
+returned loss is this micro-batch's share of the global loss (see ``rlfleet.policy.loss.aggregate``) and
+``metrics`` holds *sums* over the micro-batch that the worker adds up and divides at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlfleet.policy.batch import TrainBatch
+from rlfleet.policy.loss import Normalizer, aggregate, clipped_pg_loss, kl_k3
+
+
+def _required(value: torch.Tensor | None, name: str) -> torch.Tensor:
+    if value is None:
+        raise ValueError(f"the clipped policy-gradient loss needs batch.{name}; compute it before training")
+    return value
+
+
+@dataclass(frozen=True)
+class ClippedPGLossFn:
+    """GRPO's loss: clipped policy gradient plus ``kl_penalty`` x k3 KL to the reference policy."""
+
+    eps_low: float
+    eps_high: float
+    dual_clip_c: float | None
+    kl_penalty: float
+    kl_input_clamp: float | None
+    kl_output_clamp: float | None
+    token_level: bool
+    importance_sampling_correction: bool
+
+    def __call__(
+        self, logprobs: torch.Tensor, mb: TrainBatch, norm: Normalizer
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = mb.response_mask
+        prev = _required(mb.prev_logprobs, "prev_logprobs")
+        adv = _required(mb.advantages, "advantages").unsqueeze(1)  # [B, 1]
+        pg, ratio = clipped_pg_loss(logprobs, prev, adv, self.eps_low, self.eps_high, self.dual_clip_c)
+        per_token = pg
+        if self.importance_sampling_correction:
+            gen = _required(mb.generation_logprobs, "generation_logprobs")
+            per_token = per_token * torch.exp(prev - gen).detach()
+        kl = torch.zeros_like(logprobs)
+        if self.kl_penalty > 0:
+            ref = _required(mb.ref_logprobs, "ref_logprobs")
+            kl = kl_k3(logprobs, ref, self.kl_input_clamp, self.kl_output_clamp)
+            per_token = per_token + self.kl_penalty * kl
+        loss = aggregate(per_token, mask, norm, self.token_level)
+        with torch.no_grad():
+            clipped = ((ratio < 1 - self.eps_low) | (ratio > 1 + self.eps_high)).float()
+            metrics = {
+                "loss": float(loss),
+                "kl": float(aggregate(kl, mask, norm, True)),
+                "ratio": float(aggregate(ratio, mask, norm, True)),
+                "clip_fraction": float(aggregate(clipped, mask, norm, True)),
+            }
+        return loss, metrics
+
+
+@dataclass(frozen=True)
+class NLLLossFn:
+    """Supervised fine-tuning: mean negative log-likelihood of the response tokens."""
+
+    token_level: bool = True
+
+    def __call__(
+        self, logprobs: torch.Tensor, mb: TrainBatch, norm: Normalizer
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = aggregate(-logprobs, mb.response_mask, norm, self.token_level)
+        return loss, {"loss": float(loss)}
