@@ -1,0 +1,60 @@
+"""Shared fixtures: a tiny model built in-process and small recipes around it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
+from rlfleet.data import load_task, render_prompt
+from rlfleet.models.tiny import TinyModelSpec, create_tiny_model, train_tokenizer
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+TEST_SPEC = TinyModelSpec(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+    max_position_embeddings=256, vocab_size=320,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised tiny Llama with a BPE tokenizer trained on the arithmetic task."""
+    cfg = MasterConfig()
+    train, _ = load_task(cfg.data)
+    scaffold = train_tokenizer(["user assistant system"], 300)
+    corpus = [render_prompt(scaffold, ex.question, None) + ex.answer for ex in train[:2000]]
+    return create_tiny_model(tmp_path_factory.mktemp("tiny") / "model", corpus, TEST_SPEC, seed=0)
+
+
+def small_grpo_overrides(model_dir: Path, run_dir: Path) -> list[str]:
+    """A GRPO run small enough for a unit-test budget (seconds per step)."""
+    return [
+        f"policy.model_name={quote_override_value(str(model_dir))}",
+        f"checkpointing.checkpoint_dir={quote_override_value(str(run_dir / 'ckpt'))}",
+        f"logger.log_dir={quote_override_value(str(run_dir / 'logs'))}",
+        "logger.tensorboard_enabled=false",
+        "logger.progress_bar=false",
+        "grpo.num_prompts_per_step=4",
+        "grpo.num_generations_per_prompt=4",
+        "grpo.max_val_samples=8",
+        "grpo.val_period=2",
+        "policy.train_global_batch_size=8",
+        "policy.train_micro_batch_size=4",
+        "policy.logprob_batch_size=8",
+        "policy.generation.max_new_tokens=12",
+        "policy.optimizer.kwargs.weight_decay=0.0",
+        "data.arithmetic.num_train=64",
+        "data.arithmetic.num_val=8",
+        "checkpointing.save_period=2",
+        "checkpointing.keep_top_k=null",
+    ]
+
+
+def small_grpo_config(model_dir: Path, run_dir: Path, *extra: str) -> MasterConfig:
+    path = resolve_recipe_path("grpo-tiny-arithmetic-cpu")
+    return load_recipe(path, [*small_grpo_overrides(model_dir, run_dir), *extra])

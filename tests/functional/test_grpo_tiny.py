@@ -1,0 +1,120 @@
+"""End-to-end GRPO with a tiny model: parameters move, resume is exact, micro-batching is invariant."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlfleet.algorithms.grpo import GRPO
+from rlfleet.logging import read_metrics
+from rlfleet.policy.batch import collate
+from rlfleet.policy.loss_functions import ClippedPGLossFn
+from tests.conftest import small_grpo_config
+
+DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"
+
+
+def _params(trainer: GRPO) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.ctx.worker.model.named_parameters()}
+
+
+def test_two_grpo_steps_change_every_trainable_parameter(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = small_grpo_config(tiny_model_dir, tmp_path, "grpo.max_num_steps=2", DENSE)
+    trainer = GRPO(cfg)
+    before = _params(trainer)
+    trainer.train()
+    after = _params(trainer)
+    unchanged = [n for n in before if torch.equal(before[n], after[n])]
+    assert not unchanged, f"parameters not updated: {unchanged}"
+    records = read_metrics(tmp_path / "logs")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert records[1]["train/zero_variance_groups"] < 1.0
+    assert (tmp_path / "logs" / "plot.png").stat().st_size > 0
+    assert (tmp_path / "ckpt" / "step_2" / "policy" / "weights" / "__0_0.distcp").is_file()
+
+
+def _comparable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in records]
+
+
+def test_killed_run_resumes_to_identical_weights_and_metrics(tiny_model_dir: Path, tmp_path: Path) -> None:
+    extra = ("grpo.max_num_steps=4", DENSE)
+    full = GRPO(small_grpo_config(tiny_model_dir, tmp_path / "full", *extra))
+    full.train()
+
+    interrupted = GRPO(small_grpo_config(tiny_model_dir, tmp_path / "resumed", *extra))
+    original_step, calls = interrupted.step, []
+
+    def crash_in_step_three() -> dict[str, float]:
+        calls.append(1)
+        if len(calls) == 3:  # after the step-2 checkpoint, in the middle of step 3
+            raise KeyboardInterrupt("simulated kill")
+        return original_step()
+
+    interrupted.step = crash_in_step_three  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+
+    resumed = GRPO(small_grpo_config(tiny_model_dir, tmp_path / "resumed", *extra))
+    assert resumed.ctx.step == 2
+    resumed.train()
+
+    for name, p in _params(full).items():
+        torch.testing.assert_close(_params(resumed)[name], p, rtol=0, atol=0, msg=name)
+    a = _comparable(read_metrics(tmp_path / "full" / "logs"))
+    b = _comparable(read_metrics(tmp_path / "resumed" / "logs"))
+    assert a == b
+
+    # A finished run started again does nothing and keeps its results.
+    again = GRPO(small_grpo_config(tiny_model_dir, tmp_path / "resumed", *extra))
+    again.train()
+    assert _comparable(read_metrics(tmp_path / "resumed" / "logs")) == a
+
+
+def test_partial_tmp_checkpoint_is_ignored(tiny_model_dir: Path, tmp_path: Path, caplog) -> None:
+    extra = ("grpo.max_num_steps=2", DENSE)
+    GRPO(small_grpo_config(tiny_model_dir, tmp_path, *extra)).train()
+    (tmp_path / "ckpt" / "tmp_step_4" / "policy").mkdir(parents=True)
+    with caplog.at_level("WARNING"):
+        trainer = GRPO(small_grpo_config(tiny_model_dir, tmp_path, "grpo.max_num_steps=3", DENSE))
+    assert trainer.ctx.step == 2
+    assert "tmp_step_4" in caplog.text
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_micro_batch_1_x_8_equals_8_x_1(tiny_model_dir: Path, tmp_path: Path, token_level: bool) -> None:
+    cfg = small_grpo_config(tiny_model_dir, tmp_path, DENSE)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 300, (int(n),), generator=g).tolist() for n in torch.randint(3, 9, (8,), generator=g)]
+    responses = [torch.randint(5, 300, (int(n),), generator=g).tolist() for n in torch.randint(1, 7, (8,), generator=g)]
+    loss = ClippedPGLossFn(0.2, 0.2, None, 0.05, 20.0, 10.0, token_level, False)
+    results = []
+    for micro in (1, 8):
+        trainer = GRPO(cfg)
+        worker = trainer.ctx.worker
+        batch = collate(prompts, responses, worker.tokenizer.pad_token_id)
+        prev = worker.logprobs(batch, 8)
+        batch = batch.with_(
+            advantages=torch.randn(8, generator=torch.Generator().manual_seed(1)),
+            prev_logprobs=prev - 0.05, ref_logprobs=prev + 0.1,
+        )
+        metrics = worker.train(batch, loss, global_batch_size=8, micro_batch_size=micro)
+        results.append((metrics, {n: p.detach().clone() for n, p in worker.model.named_parameters()}))
+    (m1, p1), (m8, p8) = results
+    assert m1["loss"] == pytest.approx(m8["loss"], rel=1e-5, abs=1e-7)
+    assert m1["grad_norm"] == pytest.approx(m8["grad_norm"], rel=1e-4)
+    for name in p1:
+        torch.testing.assert_close(p1[name], p8[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_samples_and_metrics_files_are_readable(tiny_model_dir: Path, tmp_path: Path) -> None:
+    GRPO(small_grpo_config(tiny_model_dir, tmp_path, "grpo.max_num_steps=1", DENSE)).train()
+    samples = [json.loads(line) for line in (tmp_path / "logs" / "samples.jsonl").read_text().splitlines()]
+    assert samples and {"prompt", "response", "gold", "reward", "step"} <= set(samples[0])
+    last = read_metrics(tmp_path / "logs")[-1]
+    for key in ("train/reward", "train/loss", "train/kl", "train/grad_norm", "timing/generation",
+                "timing/reward", "timing/logprobs", "timing/training", "val/accuracy"):
+        assert key in last, key
