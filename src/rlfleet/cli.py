@@ -9,7 +9,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlfleet.config import ConfigError, MasterConfig, check_config, config_to_yaml, load_recipe, resolve_recipe_path
+from rlfleet.config import (
+    ConfigError,
+    MasterConfig,
+    check_config,
+    config_to_yaml,
+    load_recipe,
+    resolve_recipe_path,
+)
 
 log = logging.getLogger("rlfleet")
 
@@ -102,7 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rlfleet: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("rlfleet: interrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr)
+        print(
+            "rlfleet: interrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr
+        )
         return 130
 
 

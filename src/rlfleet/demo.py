@@ -46,15 +46,21 @@ def stage_overrides(out: Path, stage: str, model: Path) -> list[str]:
 
 
 def val_accuracy_curve(log_dir: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["val/accuracy"]) for r in read_metrics(log_dir) if r.get("val/accuracy") is not None]
+    return [
+        (r["step"], r["val/accuracy"]) for r in read_metrics(log_dir) if r.get("val/accuracy") is not None
+    ]
 
 
 def run_demo(out: Path, overrides: Sequence[str] = (), sft_overrides: Sequence[str] = ()) -> dict[str, float]:
     """Runs the three stages under ``out``; returns the before/after validation accuracies."""
     out = out.resolve()
-    sft_cfg = load_recipe(resolve_recipe_path(SFT_RECIPE), [*stage_overrides(out, "sft", out), *sft_overrides])
+    sft_cfg = load_recipe(
+        resolve_recipe_path(SFT_RECIPE), [*stage_overrides(out, "sft", out), *sft_overrides]
+    )
     base = ensure_tiny_model(out / "base_model", sft_cfg, seed=sft_cfg.sft.seed)
-    sft_cfg = load_recipe(resolve_recipe_path(SFT_RECIPE), [*stage_overrides(out, "sft", base), *sft_overrides])
+    sft_cfg = load_recipe(
+        resolve_recipe_path(SFT_RECIPE), [*stage_overrides(out, "sft", base), *sft_overrides]
+    )
     print(f"== stage 1/2: SFT warm start of {base}", flush=True)
     sft_train(sft_cfg)
     sft_model = out / "sft_model"
@@ -63,7 +69,9 @@ def run_demo(out: Path, overrides: Sequence[str] = (), sft_overrides: Sequence[s
         if latest is None:
             raise RuntimeError(f"SFT wrote no checkpoint under {sft_cfg.checkpointing.checkpoint_dir}")
         export_hf(latest, sft_model)
-    grpo_cfg = load_recipe(resolve_recipe_path(GRPO_RECIPE), [*stage_overrides(out, "grpo", sft_model), *overrides])
+    grpo_cfg = load_recipe(
+        resolve_recipe_path(GRPO_RECIPE), [*stage_overrides(out, "grpo", sft_model), *overrides]
+    )
     print(f"== stage 2/2: GRPO from {sft_model}", flush=True)
     grpo_train(grpo_cfg)
     curve = val_accuracy_curve(Path(grpo_cfg.logger.log_dir))

@@ -88,8 +88,12 @@ def test_partial_tmp_checkpoint_is_ignored(tiny_model_dir: Path, tmp_path: Path,
 def test_micro_batch_1_x_8_equals_8_x_1(tiny_model_dir: Path, tmp_path: Path, token_level: bool) -> None:
     cfg = small_grpo_config(tiny_model_dir, tmp_path, DENSE)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(5, 300, (int(n),), generator=g).tolist() for n in torch.randint(3, 9, (8,), generator=g)]
-    responses = [torch.randint(5, 300, (int(n),), generator=g).tolist() for n in torch.randint(1, 7, (8,), generator=g)]
+    prompts = [
+        torch.randint(5, 300, (int(n),), generator=g).tolist() for n in torch.randint(3, 9, (8,), generator=g)
+    ]
+    responses = [
+        torch.randint(5, 300, (int(n),), generator=g).tolist() for n in torch.randint(1, 7, (8,), generator=g)
+    ]
     loss = ClippedPGLossFn(0.2, 0.2, None, 0.05, 20.0, 10.0, token_level, False)
     results = []
     for micro in (1, 8):
@@ -99,7 +103,8 @@ def test_micro_batch_1_x_8_equals_8_x_1(tiny_model_dir: Path, tmp_path: Path, to
         prev = worker.logprobs(batch, 8)
         batch = batch.with_(
             advantages=torch.randn(8, generator=torch.Generator().manual_seed(1)),
-            prev_logprobs=prev - 0.05, ref_logprobs=prev + 0.1,
+            prev_logprobs=prev - 0.05,
+            ref_logprobs=prev + 0.1,
         )
         metrics = worker.train(batch, loss, global_batch_size=8, micro_batch_size=micro)
         results.append((metrics, {n: p.detach().clone() for n, p in worker.model.named_parameters()}))
@@ -115,6 +120,15 @@ def test_samples_and_metrics_files_are_readable(tiny_model_dir: Path, tmp_path: 
     samples = [json.loads(line) for line in (tmp_path / "logs" / "samples.jsonl").read_text().splitlines()]
     assert samples and {"prompt", "response", "gold", "reward", "step"} <= set(samples[0])
     last = read_metrics(tmp_path / "logs")[-1]
-    for key in ("train/reward", "train/loss", "train/kl", "train/grad_norm", "timing/generation",
-                "timing/reward", "timing/logprobs", "timing/training", "val/accuracy"):
+    for key in (
+        "train/reward",
+        "train/loss",
+        "train/kl",
+        "train/grad_norm",
+        "timing/generation",
+        "timing/reward",
+        "timing/logprobs",
+        "timing/training",
+        "val/accuracy",
+    ):
         assert key in last, key

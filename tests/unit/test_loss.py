@@ -80,8 +80,12 @@ def test_loss_function_matches_float64_reference_both_normalisations():
     for token_level in (True, False):
         fn = ClippedPGLossFn(0.2, 0.2, None, 0.05, 20.0, 10.0, token_level, False)
         batch = TrainBatch(
-            input_ids=torch.zeros(4, 7, dtype=torch.long), attention_mask=torch.ones(4, 7, dtype=torch.long),
-            response_mask=mask, advantages=adv, prev_logprobs=prev, ref_logprobs=ref,
+            input_ids=torch.zeros(4, 7, dtype=torch.long),
+            attention_mask=torch.ones(4, 7, dtype=torch.long),
+            response_mask=mask,
+            advantages=adv,
+            prev_logprobs=prev,
+            ref_logprobs=ref,
         )
         norm = Normalizer(num_tokens=float(mask.sum()), num_sequences=4.0)
         loss, metrics = fn(logp, batch, norm)
@@ -99,8 +103,12 @@ def test_masked_tokens_do_not_matter():
 
     def loss_with(lp):
         batch = TrainBatch(
-            torch.zeros(4, 7, dtype=torch.long), torch.ones(4, 7, dtype=torch.long), mask,
-            advantages=adv, prev_logprobs=prev, ref_logprobs=ref,
+            torch.zeros(4, 7, dtype=torch.long),
+            torch.ones(4, 7, dtype=torch.long),
+            mask,
+            advantages=adv,
+            prev_logprobs=prev,
+            ref_logprobs=ref,
         )
         return float(fn(lp, batch, norm)[0])
 

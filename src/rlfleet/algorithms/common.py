@@ -39,8 +39,12 @@ def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> Polic
     model = load_model(p.model_name, p.precision)
     o = p.optimizer.kwargs
     settings = OptimizerSettings(
-        lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,
-        warmup_steps=p.scheduler.warmup_steps, warmup_start_factor=p.scheduler.warmup_start_factor,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=o.betas,
+        eps=o.eps,
+        warmup_steps=p.scheduler.warmup_steps,
+        warmup_start_factor=p.scheduler.warmup_start_factor,
         max_grad_norm=p.max_grad_norm,
     )
     return PolicyWorker(model, tokenizer, settings, keep_reference=keep_reference)
@@ -75,7 +79,9 @@ def load_prompts(cfg: MasterConfig, tokenizer: Any, max_val_samples: int) -> Tas
         tokenizer, val_ex[:max_val_samples], system_prompt=cfg.data.system_prompt, max_prompt_tokens=budget
     )
     if dropped_train or dropped_val:
-        log.warning("dropped %d train and %d val prompts longer than %d tokens", dropped_train, dropped_val, budget)
+        log.warning(
+            "dropped %d train and %d val prompts longer than %d tokens", dropped_train, dropped_val, budget
+        )
     return TaskData(train=train, val=val, dropped=dropped_train + dropped_val)
 
 
@@ -86,7 +92,10 @@ class EvalResult:
     samples: list[dict[str, Any]] = field(default_factory=list)
 
     def metrics(self, prefix: str = "val") -> dict[str, float]:
-        return {f"{prefix}/accuracy": self.accuracy, f"{prefix}/mean_response_length": self.mean_response_length}
+        return {
+            f"{prefix}/accuracy": self.accuracy,
+            f"{prefix}/mean_response_length": self.mean_response_length,
+        }
 
 
 def evaluate(
@@ -130,8 +139,14 @@ class RunContext:
 
 
 def make_context(
-    cfg: MasterConfig, worker: PolicyWorker, items: Sequence[Any], batch_size: int, *, seed: int,
-    max_num_steps: int, max_num_epochs: int,
+    cfg: MasterConfig,
+    worker: PolicyWorker,
+    items: Sequence[Any],
+    batch_size: int,
+    *,
+    seed: int,
+    max_num_steps: int,
+    max_num_epochs: int,
 ) -> RunContext:
     """Creates the loader, logger and checkpoint manager, then resumes from the newest checkpoint."""
     loader = ResumableLoader(items, batch_size, shuffle=cfg.data.shuffle, seed=seed)
@@ -139,11 +154,14 @@ def make_context(
     c, lg = cfg.checkpointing, cfg.logger
     checkpoints = (
         CheckpointManager(Path(c.checkpoint_dir), c.metric_name, c.higher_is_better, c.keep_top_k)
-        if c.enabled else None
+        if c.enabled
+        else None
     )
     tb_dir = Path(lg.tensorboard.log_dir) if lg.tensorboard.log_dir else None
     logger = MetricsLogger(
-        Path(lg.log_dir), tensorboard_enabled=lg.tensorboard_enabled, tensorboard_dir=tb_dir,
+        Path(lg.log_dir),
+        tensorboard_enabled=lg.tensorboard_enabled,
+        tensorboard_dir=tb_dir,
         run_config=cfg.model_dump(mode="json"),
     )
     ctx = RunContext(cfg, worker, loader, logger, checkpoints, total_steps=total)
@@ -191,8 +209,14 @@ def should_validate(step: int, total: int, period: int, at_end: bool) -> bool:
 
 
 def run_loop(
-    ctx: RunContext, name: str, step_fn: Callable[[], dict[str, float]], validate_fn: Callable[[], dict[str, float]],
-    *, val_period: int, val_at_start: bool, val_at_end: bool,
+    ctx: RunContext,
+    name: str,
+    step_fn: Callable[[], dict[str, float]],
+    validate_fn: Callable[[], dict[str, float]],
+    *,
+    val_period: int,
+    val_at_start: bool,
+    val_at_end: bool,
 ) -> dict[str, float]:
     """Drives ``step_fn`` from the resumed step to ``total_steps``: validate, checkpoint, log, plot.
 

@@ -18,7 +18,14 @@ import torch
 
 from rlfleet.algorithms.advantages import group_advantages, zero_variance_fraction
 from rlfleet.algorithms.common import (
-    RunContext, build_backend, build_worker, evaluate, load_prompts, make_context, run_loop, step_seed,
+    RunContext,
+    build_backend,
+    build_worker,
+    evaluate,
+    load_prompts,
+    make_context,
+    run_loop,
+    step_seed,
 )
 from rlfleet.config import MasterConfig, check_config
 from rlfleet.data import Prompt
@@ -64,9 +71,13 @@ def rollout_batch(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_tok
 def loss_from_config(cfg: MasterConfig) -> ClippedPGLossFn:
     lf = cfg.loss_fn
     return ClippedPGLossFn(
-        eps_low=lf.ratio_clip_min, eps_high=lf.ratio_clip_max, dual_clip_c=lf.ratio_clip_c,
-        kl_penalty=lf.reference_policy_kl_penalty, kl_input_clamp=lf.kl_input_clamp_value,
-        kl_output_clamp=lf.kl_output_clamp_value, token_level=lf.token_level_loss,
+        eps_low=lf.ratio_clip_min,
+        eps_high=lf.ratio_clip_max,
+        dual_clip_c=lf.ratio_clip_c,
+        kl_penalty=lf.reference_policy_kl_penalty,
+        kl_input_clamp=lf.kl_input_clamp_value,
+        kl_output_clamp=lf.kl_output_clamp_value,
+        token_level=lf.token_level_loss,
         importance_sampling_correction=lf.use_importance_sampling_correction,
     )
 
@@ -91,13 +102,20 @@ class GRPO:
         self.cfg = cfg
         self.reward_fn = load_reward_fn(cfg.env.math.reward_fn)
         self.loss_fn = loss_from_config(cfg)
-        worker = build_worker(cfg, seed=cfg.grpo.seed, keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
+        worker = build_worker(
+            cfg, seed=cfg.grpo.seed, keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0
+        )
         self.backend = build_backend(cfg, worker)
         self.data = load_prompts(cfg, worker.tokenizer, cfg.grpo.max_val_samples)
         g = cfg.grpo
         self.ctx: RunContext = make_context(
-            cfg, worker, self.data.train, g.num_prompts_per_step, seed=g.seed,
-            max_num_steps=g.max_num_steps, max_num_epochs=g.max_num_epochs,
+            cfg,
+            worker,
+            self.data.train,
+            g.num_prompts_per_step,
+            seed=g.seed,
+            max_num_steps=g.max_num_steps,
+            max_num_epochs=g.max_num_epochs,
         )
         gen = cfg.policy.generation
         self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k)
@@ -108,14 +126,20 @@ class GRPO:
         prompts = ctx.loader.next_batch()
         with timer("generation"):
             pairs = generate_rollouts(
-                self.backend, prompts, g.num_generations_per_prompt, self.sampling, step_seed(g.seed, ctx.step)
+                self.backend,
+                prompts,
+                g.num_generations_per_prompt,
+                self.sampling,
+                step_seed(g.seed, ctx.step),
             )
         with timer("reward"):
             rollouts = score(pairs, self.reward_fn)
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
         advantages = group_advantages(
-            rewards, g.num_generations_per_prompt,
-            leave_one_out=g.use_leave_one_out_baseline, normalize=g.normalize_rewards,
+            rewards,
+            g.num_generations_per_prompt,
+            leave_one_out=g.use_leave_one_out_baseline,
+            normalize=g.normalize_rewards,
         )
         batch = rollout_batch(rollouts, advantages, worker.tokenizer.pad_token_id)
         temperature = p.generation.temperature
@@ -127,8 +151,11 @@ class GRPO:
         batch = batch.with_(prev_logprobs=prev, ref_logprobs=ref)
         with timer("training"):
             train = worker.train(
-                batch, self.loss_fn, global_batch_size=p.train_global_batch_size,
-                micro_batch_size=p.train_micro_batch_size, temperature=temperature,
+                batch,
+                self.loss_fn,
+                global_batch_size=p.train_global_batch_size,
+                micro_batch_size=p.train_micro_batch_size,
+                temperature=temperature,
             )
         with timer("refit"):
             self.backend.refit()
@@ -142,8 +169,12 @@ class GRPO:
     def _log_samples(self, rollouts: Sequence[Rollout]) -> None:
         n = self.cfg.logger.num_samples_to_log
         samples = [
-            {"prompt": r.prompt.example.question, "response": r.result.text, "gold": r.prompt.example.gold,
-             "reward": r.reward}
+            {
+                "prompt": r.prompt.example.question,
+                "response": r.result.text,
+                "gold": r.prompt.example.gold,
+                "reward": r.reward,
+            }
             for r in rollouts[:n]
         ]
         if samples:
@@ -151,7 +182,9 @@ class GRPO:
 
     def validate(self) -> dict[str, float]:
         g, gen = self.cfg.grpo, self.cfg.policy.generation
-        params = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k, greedy=g.val_greedy)
+        params = SamplingParams(
+            gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k, greedy=g.val_greedy
+        )
         result = evaluate(
             self.backend, self.data.val, self.reward_fn, params, step_seed(g.seed, self.ctx.step, salt=1)
         )
@@ -161,8 +194,13 @@ class GRPO:
         g = self.cfg.grpo
         try:
             return run_loop(
-                self.ctx, "grpo", self.step, self.validate,
-                val_period=g.val_period, val_at_start=g.val_at_start, val_at_end=g.val_at_end,
+                self.ctx,
+                "grpo",
+                self.step,
+                self.validate,
+                val_period=g.val_period,
+                val_at_start=g.val_at_start,
+                val_at_end=g.val_at_end,
             )
         finally:
             self.ctx.logger.close()

@@ -10,7 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rlfleet.algorithms.common import (
-    RunContext, build_backend, build_worker, evaluate, load_prompts, make_context, run_loop, step_seed,
+    RunContext,
+    build_backend,
+    build_worker,
+    evaluate,
+    load_prompts,
+    make_context,
+    run_loop,
+    step_seed,
 )
 from rlfleet.config import MasterConfig, check_config
 from rlfleet.data import Prompt, response_target
@@ -21,7 +28,7 @@ from rlfleet.rewards import load_reward_fn
 from rlfleet.utils.timing import PhaseTimer
 
 
-def sft_batch(prompts: Sequence[Prompt], tokenizer, pad_token_id: int) -> TrainBatch:  # noqa: ANN001
+def sft_batch(prompts: Sequence[Prompt], tokenizer, pad_token_id: int) -> TrainBatch:
     """Prompt tokens followed by the worked answer and EOS; only the answer is trained on."""
     targets = [response_target(tokenizer, p.example.answer) for p in prompts]
     return collate([p.token_ids for p in prompts], targets, pad_token_id)
@@ -40,8 +47,13 @@ class SFT:
         self.data = load_prompts(cfg, worker.tokenizer, cfg.sft.max_val_samples)
         s = cfg.sft
         self.ctx: RunContext = make_context(
-            cfg, worker, self.data.train, cfg.policy.train_global_batch_size, seed=s.seed,
-            max_num_steps=s.max_num_steps, max_num_epochs=s.max_num_epochs,
+            cfg,
+            worker,
+            self.data.train,
+            cfg.policy.train_global_batch_size,
+            seed=s.seed,
+            max_num_steps=s.max_num_steps,
+            max_num_epochs=s.max_num_epochs,
         )
 
     def step(self) -> dict[str, float]:
@@ -64,8 +76,13 @@ class SFT:
         s = self.cfg.sft
         try:
             return run_loop(
-                self.ctx, "sft", self.step, self.validate,
-                val_period=s.val_period, val_at_start=s.val_at_start, val_at_end=s.val_at_end,
+                self.ctx,
+                "sft",
+                self.step,
+                self.validate,
+                val_period=s.val_period,
+                val_at_start=s.val_at_start,
+                val_at_end=s.val_at_end,
             )
         finally:
             self.ctx.logger.close()

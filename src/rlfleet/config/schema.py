@@ -162,7 +162,8 @@ class ArithmeticConfig(Strict):
     def _ops_order(self) -> ArithmeticConfig:
         if self.min_ops > self.max_ops:
             raise ValueError(
-                f"data.arithmetic.min_ops={self.min_ops} exceeds max_ops={self.max_ops}; set min_ops <= max_ops"
+                f"data.arithmetic.min_ops={self.min_ops} exceeds max_ops={self.max_ops}; "
+                "set min_ops <= max_ops"
             )
         return self
 

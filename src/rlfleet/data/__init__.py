@@ -23,6 +23,11 @@ def load_task(data: DataConfig) -> tuple[list[Example], list[Example]]:
     """Train and validation examples of the configured dataset."""
     a = data.arithmetic
     return arithmetic_splits(
-        num_train=a.num_train, num_val=a.num_val, seed=a.seed, min_ops=a.min_ops, max_ops=a.max_ops,
-        max_operand=a.max_operand, operations=a.operations,
+        num_train=a.num_train,
+        num_val=a.num_val,
+        seed=a.seed,
+        min_ops=a.min_ops,
+        max_ops=a.max_ops,
+        max_operand=a.max_operand,
+        operations=a.operations,
     )

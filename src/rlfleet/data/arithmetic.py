@@ -12,10 +12,29 @@ from collections.abc import Sequence
 
 from rlfleet.data.types import Example
 
-_NAMES = ("Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jade", "Kai", "Lena", "Max", "Nora")
+_NAMES = (
+    "Ava",
+    "Ben",
+    "Cleo",
+    "Dan",
+    "Eli",
+    "Fay",
+    "Gus",
+    "Hana",
+    "Ivo",
+    "Jade",
+    "Kai",
+    "Lena",
+    "Max",
+    "Nora",
+)
 _ITEMS = ("apples", "books", "coins", "pens", "stamps", "shells", "cards", "marbles", "eggs", "stickers")
 _PHRASES: dict[str, tuple[str, ...]] = {
-    "+": ("{name} buys {n} more {item}.", "{name} finds {n} more {item}.", "A friend gives {name} {n} {item}."),
+    "+": (
+        "{name} buys {n} more {item}.",
+        "{name} finds {n} more {item}.",
+        "A friend gives {name} {n} {item}.",
+    ),
     "-": ("{name} gives away {n} {item}.", "{name} loses {n} {item}.", "{name} sells {n} {item}."),
     "*": ("Then the number of {item} becomes {n} times as large.", "{name} ends up with {n} times as many."),
 }
@@ -71,7 +90,13 @@ def generate_arithmetic(
 
 
 def arithmetic_splits(
-    *, num_train: int, num_val: int, seed: int, min_ops: int, max_ops: int, max_operand: int,
+    *,
+    num_train: int,
+    num_val: int,
+    seed: int,
+    min_ops: int,
+    max_ops: int,
+    max_operand: int,
     operations: Sequence[str],
 ) -> tuple[list[Example], list[Example]]:
     """Train and validation splits with no validation question appearing in train."""

@@ -54,9 +54,15 @@ class HFGenerationBackend:
         for i, p in enumerate(prompts):  # left padding
             input_ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
             attention[i, width - len(p) :] = 1
-        sampling = {} if params.greedy else {
-            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or 0,
-        }
+        sampling = (
+            {}
+            if params.greedy
+            else {
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": params.top_k or 0,
+            }
+        )
         out = self.model.generate(
             input_ids=input_ids.to(self.model.device),
             attention_mask=attention.to(self.model.device),

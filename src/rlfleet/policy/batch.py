@@ -40,12 +40,7 @@ class TrainBatch:
     def select(self, start: int, stop: int) -> TrainBatch:
         """Rows ``start:stop``, with trailing all-padding columns removed."""
         width = int(self.attention_mask[start:stop].sum(dim=1).max())
-        return TrainBatch(
-            **{
-                f.name: _slice(getattr(self, f.name), start, stop, width)
-                for f in fields(self)
-            }
-        )
+        return TrainBatch(**{f.name: _slice(getattr(self, f.name), start, stop, width) for f in fields(self)})
 
     def with_(self, **changes: torch.Tensor) -> TrainBatch:
         return replace(self, **changes)

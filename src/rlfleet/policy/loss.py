@@ -36,7 +36,7 @@ def kl_k3(
     input_clamp: float | None = 20.0,
     output_clamp: float | None = 10.0,
 ) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || pi_ref): ``exp(x) - 1 - x`` with ``x = ref_logp - logp``. ``[B, T]``."""
+    """Per-token k3 estimate of KL(pi || pi_ref): ``exp(x) - 1 - x``, ``x = ref_logp - logp``; ``[B, T]``."""
     x = ref_logprobs - logprobs
     if input_clamp is not None:
         x = x.clamp(-input_clamp, input_clamp)
@@ -85,7 +85,9 @@ class Normalizer:
     num_sequences: float
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, norm: Normalizer, token_level: bool) -> torch.Tensor:
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, norm: Normalizer, token_level: bool
+) -> torch.Tensor:
     """This micro-batch's share of the global loss.
 
     Token level: ``sum(per_token * mask) / norm.num_tokens``. Sequence level: the sum of per-sequence means

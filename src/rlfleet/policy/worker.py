@@ -64,8 +64,11 @@ class PolicyWorker:
         self.settings = settings
         self.reference = self._frozen_copy(model) if keep_reference else None
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
-            betas=settings.betas, eps=settings.eps,
+            model.parameters(),
+            lr=settings.lr,
+            weight_decay=settings.weight_decay,
+            betas=settings.betas,
+            eps=settings.eps,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -113,7 +116,8 @@ class PolicyWorker:
         """
         if len(batch) % global_batch_size or global_batch_size % micro_batch_size:
             raise ValueError(
-                f"batch of {len(batch)} rows, global batch {global_batch_size}, micro-batch {micro_batch_size}: "
+                f"batch of {len(batch)} rows, global batch {global_batch_size}, "
+                f"micro-batch {micro_batch_size}: "
                 "the batch must split into global batches and each global batch into micro-batches"
             )
         self.model.train()

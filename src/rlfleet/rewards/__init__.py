@@ -16,7 +16,9 @@ def load_reward_fn(dotted_path: str) -> RewardFn:
     """Imports ``package.module.function`` and checks it is callable."""
     module_name, _, attr = dotted_path.rpartition(".")
     if not module_name:
-        raise ValueError(f"reward function {dotted_path!r} is not a dotted path like 'rlfleet.rewards.math_reward'")
+        raise ValueError(
+            f"reward function {dotted_path!r} is not a dotted path like 'rlfleet.rewards.math_reward'"
+        )
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
