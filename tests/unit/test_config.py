@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import pickle
 from pathlib import Path
 from typing import Any
@@ -482,7 +483,9 @@ def test_each_cross_field_check_names_its_key(
     cfg = validate_config(apply_overrides(good_raw(), overrides))
     with pytest.raises(ConfigError) as info:
         check_config(cfg, algorithm)  # type: ignore[arg-type]
-    assert len(info.value.problems) == 1, str(info.value)
+    # colocated=false is also refused by this build (one more problem); every other check stands alone
+    expected = 2 if "policy.generation.colocated.enabled=false" in overrides else 1
+    assert len(info.value.problems) == expected, str(info.value)
     for fragment in fragments:
         assert fragment in str(info.value)
 
@@ -497,7 +500,8 @@ def test_checks_report_all_problems_at_once() -> None:
     ]
     with pytest.raises(ConfigError) as info:
         check_config(validate_config(apply_overrides(good_raw(), overrides)), "grpo")
-    assert len(info.value.problems) == 6  # the two missing resources are separate problems
+    # the two missing resources are separate problems; colocated=false is also refused by this build
+    assert len(info.value.problems) == 7
 
 
 def test_grpo_only_checks_are_skipped_for_sft() -> None:
@@ -597,3 +601,20 @@ def test_schema_keys_are_dotted_leaves() -> None:
     assert len(keys) == len(set(keys))
     for key in keys:  # every key is addressable by an override
         assert parse_override(f"{key}=1").key == tuple(key.split("."))
+
+
+def test_settings_this_build_cannot_honour_are_refused_not_ignored() -> None:
+    from rlfleet.config import check_config, load_recipe, resolve_recipe_path
+
+    path = resolve_recipe_path("grpo-tiny-arithmetic-cpu")
+    base = ["policy.model_name=x"]
+    check_config(load_recipe(path, base), "grpo")
+    for override, key in [
+        ("cluster.gpus_per_node=8", "cluster"),
+        ("policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.tensor_parallel_size"),
+        ("logger.wandb_enabled=true", "logger.wandb_enabled"),
+        ("logger.mlflow_enabled=true", "logger.mlflow_enabled"),
+        ("policy.dtensor_cfg.activation_checkpointing=true", "policy.dtensor_cfg.activation_checkpointing"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(key)):
+            check_config(load_recipe(path, [*base, override]), "grpo")

@@ -137,7 +137,8 @@ def plot_run(log_dir: Path, out: Path | None = None) -> Path:
                 ax.set_xlim(lo - pad, hi + pad)
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[-1].set_xlabel("step")
-    fig.suptitle(f"run: {log_dir.resolve().name or log_dir}")
+    resolved = log_dir.resolve()
+    fig.suptitle(f"run: {resolved.parent.name}/{resolved.name}")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=100)
     return out

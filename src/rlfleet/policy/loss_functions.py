@@ -54,7 +54,7 @@ class ClippedPGLossFn:
         with torch.no_grad():
             clipped = ((ratio < 1 - self.eps_low) | (ratio > 1 + self.eps_high)).float()
             metrics = {
-                "loss": float(loss),
+                "loss": float(loss.detach()),
                 "kl": float(aggregate(kl, mask, norm, True)),
                 "ratio": float(aggregate(ratio, mask, norm, True)),
                 "clip_fraction": float(aggregate(clipped, mask, norm, True)),
@@ -72,4 +72,4 @@ class NLLLossFn:
         self, logprobs: torch.Tensor, mb: TrainBatch, norm: Normalizer
     ) -> tuple[torch.Tensor, dict[str, float]]:
         loss = aggregate(-logprobs, mb.response_mask, norm, self.token_level)
-        return loss, {"loss": float(loss)}
+        return loss, {"loss": float(loss.detach())}

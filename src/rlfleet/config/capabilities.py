@@ -1,0 +1,45 @@
+"""Settings the schema knows (NeMo RL keys) that this build cannot honour yet: refused, never ignored.
+
+Each entry names the key, the value asked for, and what to do instead. The list shrinks as features land
+(the Ray layer lifts the cluster and parallelism entries; the logging backends lift W&B and MLflow).
+"""
+
+from __future__ import annotations
+
+from rlfleet.config.schema import MasterConfig
+
+
+def unsupported_settings(cfg: MasterConfig) -> list[str]:
+    """Problems for every configured feature that this build would otherwise silently skip."""
+    problems: list[str] = []
+    world = cfg.cluster.num_nodes * max(cfg.cluster.gpus_per_node, 1)
+    if world > 1:
+        problems.append(
+            f"cluster: {cfg.cluster.num_nodes} node(s) x {cfg.cluster.gpus_per_node} GPU(s) asks for "
+            f"{world} training processes, but this build trains in one process; "
+            "fix: cluster.num_nodes=1 cluster.gpus_per_node=1 (the Ray worker layer lifts this)"
+        )
+    d = cfg.policy.dtensor_cfg
+    for key, value, default in (
+        ("tensor_parallel_size", d.tensor_parallel_size, 1),
+        ("activation_checkpointing", d.activation_checkpointing, False),
+        ("cpu_offload", d.cpu_offload, False),
+        ("sequence_parallel", d.sequence_parallel, False),
+    ):
+        if value != default:
+            problems.append(
+                f"policy.dtensor_cfg.{key}: got {value!r}, but this build has no sharded trainer yet; "
+                f"fix: policy.dtensor_cfg.{key}={str(default).lower()}"
+            )
+    if not cfg.policy.generation.colocated.enabled:
+        problems.append(
+            "policy.generation.colocated.enabled: got false, but this build generates in the training process; "
+            "fix: policy.generation.colocated.enabled=true"
+        )
+    for key in ("wandb_enabled", "mlflow_enabled"):
+        if getattr(cfg.logger, key):
+            problems.append(
+                f"logger.{key}: got true, but this build logs to metrics.jsonl and TensorBoard only; "
+                f"fix: logger.{key}=false"
+            )
+    return problems
