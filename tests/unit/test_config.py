@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-import re
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 

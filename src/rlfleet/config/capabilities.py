@@ -33,8 +33,8 @@ def unsupported_settings(cfg: MasterConfig) -> list[str]:
             )
     if not cfg.policy.generation.colocated.enabled:
         problems.append(
-            "policy.generation.colocated.enabled: got false, but this build generates in the training process; "
-            "fix: policy.generation.colocated.enabled=true"
+            "policy.generation.colocated.enabled: got false, but this build generates in the training "
+            "process; fix: policy.generation.colocated.enabled=true"
         )
     for key in ("wandb_enabled", "mlflow_enabled"):
         if getattr(cfg.logger, key):

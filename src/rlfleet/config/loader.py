@@ -23,9 +23,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 import rlfleet
+from rlfleet.config.capabilities import unsupported_settings
 from rlfleet.config.errors import ConfigError, deep_merge, got, short_repr
 from rlfleet.config.overrides import Override, apply_overrides, parse_override
-from rlfleet.config.capabilities import unsupported_settings
 from rlfleet.config.schema import MasterConfig
 
 __all__ = [
