@@ -68,8 +68,14 @@ def generation_ratio(trainer: GRPO, repeats: int) -> tuple[float, float]:
     def bare() -> None:
         torch.manual_seed(0)
         model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, temperature=params.temperature, top_k=0,
-            max_new_tokens=params.max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=params.temperature,
+            top_k=0,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
         )
 
     timings = {}
@@ -83,7 +89,9 @@ def generation_ratio(trainer: GRPO, repeats: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="runs/demo/sft_model", help="model dir (make train creates this)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3)
@@ -91,7 +99,9 @@ def main() -> None:
     args = parser.parse_args()
     table, trainer = phase_table(args.model, args.steps, args.overrides)
     total = table["total"]
-    print(f"\nGRPO step phases ({args.steps - 1} steps after warm-up, torch threads={torch.get_num_threads()})")
+    print(
+        f"\nGRPO step phases ({args.steps - 1} steps after warm-up, torch threads={torch.get_num_threads()})"
+    )
     print(f"{'phase':<12} {'seconds':>8} {'share':>7}")
     for phase in PHASES:
         print(f"{phase:<12} {table[phase]:>8.3f} {table[phase] / total:>7.1%}")
