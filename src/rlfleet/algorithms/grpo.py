@@ -27,7 +27,7 @@ from rlfleet.algorithms.common import (
     run_loop,
     step_seed,
 )
-from rlfleet.config import MasterConfig, check_config
+from rlfleet.config import MasterConfig, check_config, ensure_runnable
 from rlfleet.data import Prompt
 from rlfleet.generation import GenerationBackend, GenerationResult, SamplingParams
 from rlfleet.policy.batch import TrainBatch, collate
@@ -99,6 +99,7 @@ class GRPO:
 
     def __init__(self, cfg: MasterConfig) -> None:
         check_config(cfg, "grpo")
+        ensure_runnable(cfg)
         self.cfg = cfg
         self.reward_fn = load_reward_fn(cfg.env.math.reward_fn)
         self.loss_fn = loss_from_config(cfg)

@@ -19,7 +19,7 @@ from rlfleet.algorithms.common import (
     run_loop,
     step_seed,
 )
-from rlfleet.config import MasterConfig, check_config
+from rlfleet.config import MasterConfig, check_config, ensure_runnable
 from rlfleet.data import Prompt, response_target
 from rlfleet.generation import SamplingParams
 from rlfleet.policy.batch import TrainBatch, collate
@@ -39,6 +39,7 @@ class SFT:
 
     def __init__(self, cfg: MasterConfig) -> None:
         check_config(cfg, "sft")
+        ensure_runnable(cfg)
         self.cfg = cfg
         self.reward_fn = load_reward_fn(cfg.env.math.reward_fn)
         self.loss_fn = NLLLossFn(token_level=cfg.loss_fn.token_level_loss)

@@ -1,5 +1,6 @@
 """Recipe configuration: the schema, the YAML loader with ``defaults``, Hydra-style overrides, checks."""
 
+from rlfleet.config.capabilities import ensure_runnable, unsupported_settings
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.loader import (
     LOGGED_METRICS,
@@ -25,6 +26,7 @@ __all__ = [
     "apply_overrides",
     "check_config",
     "config_to_yaml",
+    "ensure_runnable",
     "load_recipe",
     "load_yaml_with_defaults",
     "normalize_metric_name",
@@ -34,5 +36,6 @@ __all__ = [
     "schema_keys",
     "shipped_recipe_dirs",
     "shipped_recipe_names",
+    "unsupported_settings",
     "validate_config",
 ]

