@@ -14,8 +14,10 @@ from rlfleet.config import (
     MasterConfig,
     check_config,
     config_to_yaml,
+    ensure_runnable,
     load_recipe,
     resolve_recipe_path,
+    unsupported_settings,
 )
 
 log = logging.getLogger("rlfleet")
@@ -51,6 +53,35 @@ def cmd_validate(args: argparse.Namespace) -> int:
     cfg = _load(args.recipe, args.overrides)
     check_config(cfg, args.algorithm)
     print(config_to_yaml(cfg), end="")
+    not_here = unsupported_settings(cfg)
+    if not_here:
+        print("# valid; this build cannot run it as given yet:", *[f"#   - {p}" for p in not_here], sep="\n")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from rlfleet.plan import format_plan, make_plan
+
+    cfg = _load(args.recipe, args.overrides)
+    check_config(cfg, "grpo")
+    plan, _ = make_plan(cfg)
+    print(format_plan(cfg, plan, args.recipe))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from rlfleet.algorithms.evaluation import run_eval
+
+    target = Path(args.target)
+    checkpoint = target if (target / "config.yaml").is_file() else None
+    recipe = str(target / "config.yaml") if checkpoint else args.target
+    cfg = _load(recipe, args.overrides)
+    ensure_runnable(cfg)
+    report = run_eval(cfg, checkpoint)
+    print(report.table())
+    if args.out:
+        Path(args.out).write_text(report.to_json() + "\n")
+        print(f"wrote {args.out}")
     return 0
 
 
@@ -83,6 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--algorithm", choices=["grpo", "sft"], default="grpo")
     p.set_defaults(func=cmd_validate)
+    p = sub.add_parser("plan", help="print the resource layout and memory estimate; starts nothing")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("eval", help="pass@1 / pass@k of a recipe's model or of a checkpoint")
+    p.add_argument("target", help="recipe (path or shipped name) or a step_N checkpoint directory")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--out", help="also write the report as JSON to this file")
+    p.set_defaults(func=cmd_eval)
     p = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
     p.add_argument("checkpoint", help="a step_N checkpoint directory")
     p.add_argument("out_dir")

@@ -35,8 +35,11 @@ def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> Polic
     """Loads the policy named by ``policy.model_name`` into a worker with its optimizer."""
     p = cfg.policy
     torch.manual_seed(seed)
-    tokenizer = load_tokenizer(p.tokenizer.name or p.model_name)
-    model = load_model(p.model_name, p.precision)
+    if p.tokenizer.name:
+        tokenizer = load_tokenizer(p.tokenizer.name)
+    else:
+        tokenizer = load_tokenizer(p.model_name, p.gguf_file)
+    model = load_model(p.model_name, p.precision, p.gguf_file)
     o = p.optimizer.kwargs
     settings = OptimizerSettings(
         lr=o.lr,

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from rlfleet.checkpoint.dcp_io import TOKENIZER_DIR, load_model_state_dict, policy_dir
 from rlfleet.checkpoint.manager import CONFIG_FILE, is_complete_checkpoint
+from rlfleet.models.loading import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +30,7 @@ def build_model_from_name(
 
     Args:
         model_name: Hugging Face hub id or local directory holding a ``config.json``.
-        gguf_file: Reserved seam for building from a GGUF file inside ``model_name``; passed to
-            ``AutoConfig.from_pretrained`` when set.
+        gguf_file: A GGUF file inside ``model_name`` whose architecture to use.
         trust_remote_code: Allow custom modelling code from the model repository.
     """
     config_kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
@@ -59,7 +59,8 @@ def _require_complete(checkpoint_path: Path) -> None:
     )
 
 
-def _model_name_from_config(checkpoint_path: Path) -> str:
+def _model_name_from_config(checkpoint_path: Path) -> tuple[str, str | None]:
+    """``(policy.model_name, policy.gguf_file)`` of the recipe saved with the checkpoint."""
     with (checkpoint_path / CONFIG_FILE).open(encoding="utf-8") as handle:
         recipe = yaml.safe_load(handle) or {}
     policy = recipe.get("policy") if isinstance(recipe, dict) else None
@@ -69,7 +70,8 @@ def _model_name_from_config(checkpoint_path: Path) -> str:
             f"{checkpoint_path / CONFIG_FILE} has no policy.model_name; the recipe must name the base "
             "model whose architecture the checkpoint was trained from."
         )
-    return model_name
+    gguf_file = policy.get("gguf_file") if isinstance(policy, dict) else None
+    return resolve_model_path(model_name), gguf_file
 
 
 def _dominant_float_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype | None:
@@ -116,9 +118,9 @@ def export_hf(checkpoint_path: Path, out_dir: Path) -> Path:
     checkpoint_path = Path(checkpoint_path)
     out_dir = Path(out_dir)
     _require_complete(checkpoint_path)
-    model_name = _model_name_from_config(checkpoint_path)
+    model_name, gguf_file = _model_name_from_config(checkpoint_path)
     state_dict = load_model_state_dict(checkpoint_path)
-    model = build_model_from_name(model_name)
+    model = build_model_from_name(model_name, gguf_file=gguf_file)
     _load_weights(model, state_dict, model_name)
     out_dir.mkdir(parents=True, exist_ok=True)
     # transformers 5 always writes safetensors (the safe_serialization flag was removed);

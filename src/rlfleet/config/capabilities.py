@@ -32,6 +32,11 @@ def unsupported_settings(cfg: MasterConfig) -> list[str]:
                 f"policy.dtensor_cfg.{key}: got {value!r}, but this build has no sharded trainer yet; "
                 f"fix: policy.dtensor_cfg.{key}={str(default).lower()}"
             )
+    if cfg.policy.generation.backend != "hf":
+        problems.append(
+            f"policy.generation.backend: got {cfg.policy.generation.backend!r}, but this build has the HF "
+            "backend only; fix: policy.generation.backend=hf"
+        )
     if not cfg.policy.generation.colocated.enabled:
         problems.append(
             "policy.generation.colocated.enabled: got false, but this build generates in the training "

@@ -26,6 +26,7 @@ import rlfleet
 from rlfleet.config.errors import ConfigError, deep_merge, got, short_repr
 from rlfleet.config.overrides import Override, apply_overrides, parse_override
 from rlfleet.config.schema import MasterConfig
+from rlfleet.distributed.layout import compute_layout
 
 __all__ = [
     "LOGGED_METRICS",
@@ -467,7 +468,9 @@ def check_config(cfg: MasterConfig, algorithm: Algorithm) -> None:
     problems += _check_batches(cfg, algorithm)
     if algorithm == "grpo":
         problems += _check_lengths(cfg) + _check_grpo(cfg)
-    problems += _check_metric(cfg, algorithm) + _check_resources(cfg)
+    problems += _check_metric(cfg, algorithm)
+    resource_problems = _check_resources(cfg)
+    problems += resource_problems or compute_layout(cfg)[1]
     if problems:
         raise ConfigError(problems, header=f"config cannot run {algorithm} ({len(problems)} problem(s)):")
 

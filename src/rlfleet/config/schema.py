@@ -216,9 +216,7 @@ class DataConfig(Strict):
     @model_validator(mode="after")
     def _one_system_prompt(self) -> DataConfig:
         if self.system_prompt is not None and self.system_prompt_file is not None:
-            raise ValueError(
-                "data.system_prompt and data.system_prompt_file are both set; keep one of them"
-            )
+            raise ValueError("data.system_prompt and data.system_prompt_file are both set; keep one of them")
         return self
 
 
@@ -296,7 +294,7 @@ class EvalConfig(Strict):
 
 class ClusterConfig(Strict):
     num_nodes: int = Field(1, ge=1)
-    gpus_per_node: int = Field(1, ge=0)
+    gpus_per_node: int = Field(1, ge=1, description="GPUs per node (CPU-only: worker processes per node).")
 
 
 # --------------------------------------------------------------------------------------------- root

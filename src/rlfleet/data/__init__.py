@@ -2,32 +2,99 @@
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
+
 from rlfleet.config.schema import DataConfig
 from rlfleet.data.arithmetic import arithmetic_splits
+from rlfleet.data.errors import DataError
 from rlfleet.data.loader import ResumableLoader
-from rlfleet.data.prompts import build_prompts, render_prompt, response_target
+from rlfleet.data.prompts import (
+    apply_prompt_template,
+    build_prompts,
+    load_prompt_template,
+    render_prompt,
+    resolve_system_prompt,
+    response_target,
+)
+from rlfleet.data.response_dataset import load_split, resolve_sources
 from rlfleet.data.types import Example, Prompt
 
 __all__ = [
+    "DataError",
     "Example",
     "Prompt",
     "ResumableLoader",
+    "TaskSplits",
+    "apply_prompt_template",
     "build_prompts",
+    "load_prompt_template",
     "load_task",
+    "load_task_with_report",
     "render_prompt",
+    "resolve_system_prompt",
     "response_target",
 ]
 
+log = logging.getLogger("rlfleet")
+
+
+@dataclass
+class TaskSplits:
+    """The loaded task.
+
+    Attributes:
+        train: Training examples, in source order.
+        val: Validation examples, in source order.
+        report: Counts to log, ``{"train/bad_rows": 3, "val/bad_rows": 0}`` (rows skipped as bad).
+        bad_row_samples: The first few skipped rows as ``"file:line: problem"``, for the log.
+    """
+
+    train: list[Example]
+    val: list[Example]
+    report: dict[str, int]
+    bad_row_samples: list[str] = field(default_factory=list)
+
+
+def load_task_with_report(data: DataConfig) -> TaskSplits:
+    """Loads and validates every row of the configured dataset, and checks the prompt files.
+
+    Raises:
+        DataError: A missing file, an unloadable dataset, a bad row with ``data.on_bad_row=error``, a split
+            with no usable row, or an invalid ``prompt_file`` / ``system_prompt_file``.
+    """
+    resolve_system_prompt(data)  # fail before a long download when a prompt file is wrong
+    load_prompt_template(data)
+    if data.dataset_name == "arithmetic":
+        a = data.arithmetic
+        train, val = arithmetic_splits(
+            num_train=a.num_train,
+            num_val=a.num_val,
+            seed=a.seed,
+            min_ops=a.min_ops,
+            max_ops=a.max_ops,
+            max_operand=a.max_operand,
+            operations=a.operations,
+        )
+        return TaskSplits(train=train, val=val, report={"train/bad_rows": 0, "val/bad_rows": 0})
+    train_source, val_source = resolve_sources(data)
+    train = load_split(train_source, on_bad_row=data.on_bad_row)
+    val = load_split(val_source, on_bad_row=data.on_bad_row)
+    return TaskSplits(
+        train=train.examples,
+        val=val.examples,
+        report={"train/bad_rows": train.bad_rows, "val/bad_rows": val.bad_rows},
+        bad_row_samples=train.bad_row_samples + val.bad_row_samples,
+    )
+
 
 def load_task(data: DataConfig) -> tuple[list[Example], list[Example]]:
-    """Train and validation examples of the configured dataset."""
-    a = data.arithmetic
-    return arithmetic_splits(
-        num_train=a.num_train,
-        num_val=a.num_val,
-        seed=a.seed,
-        min_ops=a.min_ops,
-        max_ops=a.max_ops,
-        max_operand=a.max_operand,
-        operations=a.operations,
-    )
+    """Train and validation examples of the configured dataset; skipped bad rows are logged as a warning."""
+    task = load_task_with_report(data)
+    if any(task.report.values()):
+        log.warning(
+            "skipped bad rows (data.on_bad_row=skip): %s; first: %s",
+            ", ".join(f"{key}={count}" for key, count in task.report.items()),
+            "; ".join(task.bad_row_samples),
+        )
+    return task.train, task.val

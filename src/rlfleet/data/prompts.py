@@ -1,22 +1,108 @@
-"""Turning task rows into model prompts through the tokenizer's chat template."""
+"""Turning task rows into model prompts through the tokenizer's chat template.
+
+A prompt template (``data.prompt_file``, NeMo RL style) wraps the question before the chat template is
+applied: the file's text with the question in place of ``{}`` (or ``{question}``); it is applied with
+``str.format``, so literal braces are written ``{{`` and ``}}`` (``\\boxed{{}}``). The system message comes
+from ``data.system_prompt`` or ``data.system_prompt_file``. Files are read verbatim (no stripping), as
+NeMo RL does, so prompt text matches it byte for byte.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from string import Formatter
 
 from transformers import PreTrainedTokenizerBase
 
+from rlfleet.config.schema import DataConfig
+from rlfleet.data.errors import DataError
 from rlfleet.data.types import Example, Prompt
 
+_PLACEHOLDERS = ("", "0", "question")
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, question: str, system_prompt: str | None) -> str:
-    """Applies the chat template (with the generation prompt) to one question."""
+
+def _read_prompt_file(key: str, path: str) -> str:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise DataError(
+            f"data.{key}={path!r} does not exist (resolved to {file.resolve()}); fix the path (relative "
+            f"paths start from the working directory {Path.cwd()}) or unset data.{key}"
+        )
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"data.{key}={path!r} cannot be read as UTF-8 text ({exc}); fix the file") from exc
+
+
+def resolve_system_prompt(data: DataConfig) -> str | None:
+    """The system message: ``data.system_prompt``, else the text of ``data.system_prompt_file``, else None.
+
+    An empty file gives None (no system message), as an empty ``system_prompt`` does.
+
+    Raises:
+        DataError: ``system_prompt_file`` is missing or unreadable.
+    """
+    if data.system_prompt_file is None:
+        return data.system_prompt or None
+    return _read_prompt_file("system_prompt_file", data.system_prompt_file) or None
+
+
+def check_prompt_template(template: str, source: str = "prompt template") -> None:
+    """Checks that ``template`` has a question placeholder and formats with the question alone.
+
+    Raises:
+        DataError: No placeholder, an unknown field such as ``{answer}``, or unescaped literal braces.
+    """
+    fix = (
+        "put '{}' (or '{question}') where the question goes and write literal braces doubled, "
+        "e.g. '\\boxed{{}}'"
+    )
+    try:
+        fields = [name for _, name, _, _ in Formatter().parse(template) if name is not None]
+        unknown = sorted({name for name in fields if name not in _PLACEHOLDERS})
+        if not unknown:
+            template.format("", question="")
+    except (ValueError, IndexError, KeyError) as exc:
+        raise DataError(f"{source} cannot be formatted with the question ({exc!r}); {fix}") from exc
+    if unknown:
+        raise DataError(f"{source} has unknown fields {unknown}; only the question can be filled in: {fix}")
+    if not fields:
+        raise DataError(f"{source} has no placeholder for the question; {fix}")
+
+
+def load_prompt_template(data: DataConfig) -> str | None:
+    """The text of ``data.prompt_file`` (checked), or None when unset.
+
+    Raises:
+        DataError: The file is missing or unreadable, or its template is invalid (see
+            ``check_prompt_template``).
+    """
+    if data.prompt_file is None:
+        return None
+    template = _read_prompt_file("prompt_file", data.prompt_file)
+    check_prompt_template(template, f"data.prompt_file={data.prompt_file!r}")
+    return template
+
+
+def apply_prompt_template(template: str | None, question: str) -> str:
+    """``question`` placed into ``template`` (``{}``, ``{0}`` or ``{question}``); unchanged without one."""
+    return question if template is None else template.format(question, question=question)
+
+
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    question: str,
+    system_prompt: str | None,
+    prompt_template: str | None = None,
+) -> str:
+    """Applies the prompt template, then the chat template (with the generation prompt), to one question."""
     if tokenizer.chat_template is None:
         raise ValueError(
             "the tokenizer has no chat template; use an instruct/chat model or a tokenizer that defines one"
         )
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": question})
+    messages.append({"role": "user", "content": apply_prompt_template(prompt_template, question)})
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -26,16 +112,26 @@ def build_prompts(
     *,
     system_prompt: str | None,
     max_prompt_tokens: int | None,
+    prompt_template: str | None = None,
 ) -> tuple[list[Prompt], int]:
     """Renders and tokenises ``examples``; drops prompts longer than ``max_prompt_tokens``.
+
+    Args:
+        tokenizer: Tokenizer with a chat template.
+        examples: The task rows.
+        system_prompt: System message, or None (see ``resolve_system_prompt``).
+        max_prompt_tokens: Longest prompt kept, or None for no limit.
+        prompt_template: Template wrapping each question, or None (see ``load_prompt_template``).
 
     Returns:
         The kept prompts and the number dropped for length.
     """
+    if prompt_template is not None:
+        check_prompt_template(prompt_template)
     prompts: list[Prompt] = []
     dropped = 0
     for ex in examples:
-        text = render_prompt(tokenizer, ex.question, system_prompt)
+        text = render_prompt(tokenizer, ex.question, system_prompt, prompt_template)
         ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
             dropped += 1

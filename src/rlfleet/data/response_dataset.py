@@ -1,0 +1,220 @@
+"""NeMo RL's ``ResponseDataset`` and the ``gsm8k`` shortcut: question/answer rows from files or the hub.
+
+Each row is an object with an input column (the question) and an output column (the worked answer). The
+output is kept whole as ``Example.answer`` (the SFT target); ``Example.gold`` is the final answer extracted
+from it: the number after the last ``####`` (thousands commas removed), else the content of the last
+``\\boxed{...}``, else the whole stripped output. Every row is validated when the split is loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlfleet.config.schema import DataConfig
+from rlfleet.data.errors import DataError
+from rlfleet.data.sources import read_rows
+from rlfleet.data.types import Example
+
+RESPONSE_DEFAULTS: dict[str, str] = {
+    "train_split": "train",
+    "val_split": "test",
+    "input_key": "question",
+    "output_key": "answer",
+}
+GSM8K_DEFAULTS: dict[str, str] = {
+    **RESPONSE_DEFAULTS,
+    "train_data_path": "openai/gsm8k",
+    "val_data_path": "openai/gsm8k",
+    "subset": "main",
+}
+MAX_BAD_ROW_SAMPLES = 5
+_HASHES_NUMBER = re.compile(r"\$?\s*(-?\d[\d,]*(?:\.\d+)?|-?\.\d+)(?!\s*/)")
+_BOXED = "\\boxed{"
+
+
+class _BadRow(Exception):
+    """A row that cannot become an ``Example``; the message says why."""
+
+
+@dataclass(frozen=True)
+class SplitSource:
+    """Where one split's rows come from, with every default applied.
+
+    Attributes:
+        name: ``train`` or ``val`` (for messages and report keys).
+        path: Hub id or local file.
+        split: Hub split (ignored for local files).
+        subset: Hub configuration name, passed to ``datasets.load_dataset`` as ``name``.
+        input_key: Column holding the question.
+        output_key: Column holding the worked answer.
+    """
+
+    name: str
+    path: str
+    split: str
+    subset: str | None
+    input_key: str
+    output_key: str
+
+
+@dataclass
+class SplitRows:
+    """The examples of one split and the rows skipped as bad (``on_bad_row: skip``)."""
+
+    examples: list[Example]
+    bad_rows: int = 0
+    bad_row_samples: list[str] = field(default_factory=list)
+
+
+def resolve_sources(data: DataConfig) -> tuple[SplitSource, SplitSource]:
+    """Train and validation sources of a ``gsm8k`` or ``ResponseDataset`` config, defaults filled in.
+
+    A default applies only where the key is null, so ``gsm8k`` with local ``train_data_path`` and
+    ``val_data_path`` reads those files.
+
+    Raises:
+        DataError: ``train_data_path`` or ``val_data_path`` is unset and has no default.
+    """
+    defaults = GSM8K_DEFAULTS if data.dataset_name == "gsm8k" else RESPONSE_DEFAULTS
+
+    def pick(key: str) -> str | None:
+        value = getattr(data, key)
+        return value if value is not None else defaults.get(key)
+
+    sources = []
+    for name in ("train", "val"):
+        path = pick(f"{name}_data_path")
+        if path is None:
+            raise DataError(
+                f"data.{name}_data_path is not set (data.dataset_name={data.dataset_name}); set it to a hub "
+                "id or a local .jsonl/.json/.parquet file (validation rows are never split off the "
+                "training rows silently)"
+            )
+        sources.append(
+            SplitSource(
+                name=name,
+                path=path,
+                split=pick(f"{name}_split") or "",
+                subset=pick("subset"),
+                input_key=pick("input_key") or "",
+                output_key=pick("output_key") or "",
+            )
+        )
+    return sources[0], sources[1]
+
+
+def load_split(source: SplitSource, *, on_bad_row: Literal["error", "skip"]) -> SplitRows:
+    """Reads and validates every row of ``source``.
+
+    Raises:
+        DataError: A bad row with ``on_bad_row="error"`` (naming ``file:line`` or ``row I``, the problem
+            and the fix), an unreadable source, or a split left with no usable row.
+    """
+    result = SplitRows(examples=[])
+    for raw in read_rows(source.path, split=source.split, subset=source.subset):
+        try:
+            if raw.problem is not None:
+                raise _BadRow(raw.problem)
+            result.examples.append(_parse_row(raw.value, source.input_key, source.output_key))
+        except _BadRow as bad:
+            message = f"{raw.where}: {bad}"
+            if on_bad_row == "error":
+                raise DataError(
+                    f"bad {source.name} row at {message}; fix or remove the row, or set "
+                    "data.on_bad_row=skip to skip bad rows (they are counted and logged)"
+                ) from None
+            result.bad_rows += 1
+            if len(result.bad_row_samples) < MAX_BAD_ROW_SAMPLES:
+                result.bad_row_samples.append(message)
+    if not result.examples:
+        raise DataError(
+            f"{source.name} data {source.path!r} has no usable rows ({result.bad_rows} bad rows skipped); "
+            f"check the file and data.input_key={source.input_key!r} / data.output_key={source.output_key!r}"
+        )
+    return result
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list | tuple):
+        return "array"
+    return "object" if isinstance(value, Mapping) else type(value).__name__
+
+
+def _parse_row(value: object, input_key: str, output_key: str) -> Example:
+    """The ``Example`` of one raw row.
+
+    Raises:
+        _BadRow: Not an object, a missing key, an empty or non-text question, or no extractable gold.
+    """
+    if not isinstance(value, Mapping):
+        raise _BadRow(f"the row is a JSON {_json_type(value)}, not an object")
+    missing = [key for key in (input_key, output_key) if key not in value]
+    if missing:
+        raise _BadRow(
+            f"missing key(s) {missing} (keys present: {sorted(map(str, value))}); set data.input_key / "
+            "data.output_key to the question and answer columns"
+        )
+    question = value[input_key]
+    if not isinstance(question, str):
+        raise _BadRow(f"the question {input_key!r} is a JSON {_json_type(question)}, not text")
+    if not question.strip():
+        raise _BadRow(f"empty question in {input_key!r}")
+    output = value[output_key]
+    if isinstance(output, int | float) and not isinstance(output, bool):
+        output = str(output)
+    if not isinstance(output, str):
+        raise _BadRow(f"the output {output_key!r} is a JSON {_json_type(output)}, not text")
+    if not output.strip():
+        raise _BadRow(f"empty output in {output_key!r}")
+    gold = _extract_gold(output)
+    if not gold:
+        raise _BadRow(
+            f"no gold answer can be extracted from the output {output_key!r} (ends {output[-60:]!r}); end "
+            "it with '#### <answer>' or '\\boxed{<answer>}'"
+        )
+    return Example(question=question, answer=output, gold=gold)
+
+
+def _extract_gold(output: str) -> str | None:
+    """The final answer of a worked solution, or None when it is empty.
+
+    The number after the last ``####`` with thousands commas removed (``#### 1,080`` -> ``1080``; a
+    non-numeric answer there, such as ``3/4`` or ``B``, is kept as written), else the content of the last
+    ``\\boxed{...}`` (braces matched; None when unbalanced), else the whole stripped output.
+    """
+    text = output.strip()
+    if "####" in text:
+        tail = text.rpartition("####")[2].strip()
+        first_line = tail.splitlines()[0].strip() if tail else ""
+        number = _HASHES_NUMBER.match(first_line)
+        gold = number.group(1).replace(",", "") if number else first_line
+    elif _BOXED in text:
+        gold = _last_boxed(text)
+    else:
+        gold = text
+    return gold.strip() if gold and gold.strip() else None
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}``, nested braces included; None when its braces do not close."""
+    start = text.rfind(_BOXED) + len(_BOXED)
+    depth = 1
+    for index in range(start, len(text)):
+        if text[index] == "{":
+            depth += 1
+        elif text[index] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:index]
+    return None

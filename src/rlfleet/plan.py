@@ -1,0 +1,122 @@
+"""``rlfleet plan``: the resource layout and memory estimate of a recipe, computed without starting anything.
+
+Memory assumptions (FSDP2 mixed precision as NeMo RL's DTensor path runs it): fp32 master weights, fp32
+gradients and fp32 AdamW moments (m and v), all sharded over every training GPU (FSDP over data parallel,
+DTensor over tensor parallel); bf16 compute copies and activations come on top. Generation workers hold
+the weights in the policy precision, split over their tensor-parallel group, and the rest of
+``gpu_memory_utilization`` goes to the KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlfleet.config.schema import ArchitectureConfig, MasterConfig
+from rlfleet.distributed.layout import ResourceLayout, compute_layout
+
+GIB = 1024**3
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def count_parameters(a: ArchitectureConfig) -> int:
+    """Parameters of a Llama/Qwen/Gemma-style decoder (gated MLP, GQA attention, RMSNorm)."""
+    head_dim = a.head_dim or a.hidden_size // a.num_attention_heads
+    attention = a.hidden_size * head_dim * (2 * a.num_attention_heads + 2 * a.num_key_value_heads)
+    mlp = 3 * a.hidden_size * a.intermediate_size
+    norms = 2 * a.hidden_size
+    embeddings = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)
+    return a.num_hidden_layers * (attention + mlp + norms) + embeddings + a.hidden_size
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: ResourceLayout
+    samples_per_step: int
+    optimizer_steps_per_step: int
+    micro_batches_per_optimizer_step: int
+    parameters: int | None
+
+    def training_memory_gib(self) -> dict[str, float]:
+        if self.parameters is None:
+            return {}
+        shard = self.parameters / self.layout.train_world
+        return {
+            "weights (fp32)": 4 * shard / GIB,
+            "gradients (fp32)": 4 * shard / GIB,
+            "optimizer (AdamW m, v fp32)": 8 * shard / GIB,
+        }
+
+
+def make_plan(cfg: MasterConfig) -> tuple[Plan, list[str]]:
+    layout, problems = compute_layout(cfg)
+    g, p = cfg.grpo, cfg.policy
+    samples = g.num_prompts_per_step * g.num_generations_per_prompt
+    arch = p.architecture
+    plan = Plan(
+        layout=layout,
+        samples_per_step=samples,
+        optimizer_steps_per_step=max(samples // p.train_global_batch_size, 1),
+        micro_batches_per_optimizer_step=max(
+            p.train_global_batch_size // max(layout.train_dp * p.train_micro_batch_size, 1), 1
+        ),
+        parameters=count_parameters(arch) if arch is not None else None,
+    )
+    return plan, problems
+
+
+def _gpus(nodes: int, per_node: int) -> str:
+    return f"{nodes} node(s) x {per_node} GPU(s) = {nodes * per_node} GPU(s)"
+
+
+def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
+    lay, p, g = plan.layout, cfg.policy, cfg.grpo
+    where = (
+        "colocated with training"
+        if lay.colocated
+        else f"dedicated {_gpus(lay.gen_nodes, lay.gen_gpus_per_node)}"
+    )
+    dp_micro = f"DP {lay.train_dp} x micro {p.train_micro_batch_size}"
+    return [
+        ("cluster", _gpus(lay.num_nodes, lay.gpus_per_node)),
+        ("generation", f"{where}; {lay.backend}, TP {lay.gen_tp} -> {lay.gen_engines} engine(s)"),
+        (
+            "training",
+            f"{_gpus(lay.train_nodes, lay.train_gpus_per_node)}: TP {lay.train_tp} x DP {lay.train_dp}",
+        ),
+        (
+            "samples per step",
+            f"{g.num_prompts_per_step} x {g.num_generations_per_prompt} = {plan.samples_per_step:,}",
+        ),
+        (
+            "optimizer steps",
+            f"{plan.optimizer_steps_per_step} per step (global batch {p.train_global_batch_size})",
+        ),
+        (
+            "micro-batches",
+            f"{plan.micro_batches_per_optimizer_step} per optimizer step per rank ({dp_micro})",
+        ),
+        (
+            "sequence budget",
+            f"{p.max_total_sequence_length} tokens, max_new_tokens {p.generation.max_new_tokens}",
+        ),
+    ]
+
+
+def format_plan(cfg: MasterConfig, plan: Plan, recipe: str) -> str:
+    """The plan as the text ``rlfleet plan`` prints."""
+    lines = [f"plan for {recipe}"] + [f"  {k:<20}{v}" for k, v in _rows(cfg, plan)]
+    if plan.parameters is None:
+        lines.append(f"  {'model':<20}no policy.architecture in the recipe: memory not estimated")
+        return "\n".join(lines)
+    lay, p = plan.layout, cfg.policy
+    lines.append(f"  {'model':<20}{p.model_name}: {plan.parameters / 1e9:.2f}B parameters")
+    mem = plan.training_memory_gib()
+    lines.append(f"  memory per training GPU (sharded over {lay.train_world}; activations excluded):")
+    lines += [f"    {name:<30}{gib:8.1f} GiB" for name, gib in mem.items()]
+    lines.append(f"    {'total':<30}{sum(mem.values()):8.1f} GiB")
+    gen_weights = plan.parameters * BYTES[p.precision] / lay.gen_tp / GIB
+    lines.append("  memory per generation GPU:")
+    lines.append(f"    {'weights (' + p.precision + ')':<30}{gen_weights:8.1f} GiB")
+    util = p.generation.vllm_cfg.gpu_memory_utilization
+    lines.append(f"    {'KV cache':<30}the rest of gpu_memory_utilization={util}")
+    return "\n".join(lines)
