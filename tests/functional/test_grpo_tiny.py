@@ -132,3 +132,24 @@ def test_samples_and_metrics_files_are_readable(tiny_model_dir: Path, tmp_path: 
         "val/accuracy",
     ):
         assert key in last, key
+
+
+def test_activation_checkpointing_gives_the_same_update(tiny_model_dir: Path, tmp_path: Path) -> None:
+    params = []
+    for flag in ("false", "true"):
+        trainer = GRPO(
+            small_grpo_config(
+                tiny_model_dir,
+                tmp_path / flag,
+                "grpo.max_num_steps=1",
+                "grpo.val_at_start=false",
+                "grpo.val_at_end=false",
+                DENSE,
+                f"policy.dtensor_cfg.activation_checkpointing={flag}",
+            )
+        )
+        assert trainer.ctx.worker.model.is_gradient_checkpointing == (flag == "true")
+        trainer.train()
+        params.append(_params(trainer))
+    for name, value in params[0].items():
+        torch.testing.assert_close(params[1][name], value, rtol=1e-5, atol=1e-6, msg=name)

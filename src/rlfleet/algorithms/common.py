@@ -40,6 +40,10 @@ def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> Polic
     else:
         tokenizer = load_tokenizer(p.model_name, p.gguf_file)
     model = load_model(p.model_name, p.precision, p.gguf_file)
+    if p.dtensor_cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    if torch.cuda.is_available():  # single-process GPU run; the Ray layer places multi-GPU workers
+        model.to("cuda")
     o = p.optimizer.kwargs
     settings = OptimizerSettings(
         lr=o.lr,

@@ -1,7 +1,7 @@
 """Settings the schema knows (NeMo RL keys) that this build cannot honour yet: refused, never ignored.
 
 Each entry names the key, the value asked for, and what to do instead. The list shrinks as features land
-(the Ray layer lifts the cluster and parallelism entries; the logging backends lift W&B and MLflow).
+(the Ray layer lifts the cluster and parallelism entries).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ def unsupported_settings(cfg: MasterConfig) -> list[str]:
     d = cfg.policy.dtensor_cfg
     for key, value, default in (
         ("tensor_parallel_size", d.tensor_parallel_size, 1),
-        ("activation_checkpointing", d.activation_checkpointing, False),
         ("cpu_offload", d.cpu_offload, False),
         ("sequence_parallel", d.sequence_parallel, False),
     ):
@@ -42,12 +41,6 @@ def unsupported_settings(cfg: MasterConfig) -> list[str]:
             "policy.generation.colocated.enabled: got false, but this build generates in the training "
             "process; fix: policy.generation.colocated.enabled=true"
         )
-    for key in ("wandb_enabled", "mlflow_enabled"):
-        if getattr(cfg.logger, key):
-            problems.append(
-                f"logger.{key}: got true, but this build logs to metrics.jsonl and TensorBoard only; "
-                f"fix: logger.{key}=false"
-            )
     return problems
 
 

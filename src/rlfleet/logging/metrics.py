@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    pass
+    from rlfleet.config.schema import LoggerConfig, MlflowConfig, WandbConfig
 
 _LOG = pylogging.getLogger(__name__)
 
@@ -209,8 +209,9 @@ class MetricsBackend:
         """Forgets everything logged after ``step`` (resume). Sinks that cannot rewrite history no-op."""
         del step
 
-    def close(self) -> None:
-        """Flushes and releases resources."""
+    def close(self, *, failed: bool = False) -> None:
+        """Flushes and releases resources; ``failed`` marks the run as failed where the sink records it."""
+        del failed
 
 
 class JsonlBackend(MetricsBackend):
@@ -225,7 +226,8 @@ class JsonlBackend(MetricsBackend):
     def truncate_after(self, step: int) -> None:
         self.file.truncate_after(step)
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        del failed
         self.file.close()
 
 
@@ -253,7 +255,8 @@ class TensorboardBackend(MetricsBackend):
         self.writer.close()
         self.writer = self._writer_cls(log_dir=str(self.tb_dir), flush_secs=30, purge_step=step + 1)
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        del failed
         self.writer.flush()
         self.writer.close()
 
@@ -265,8 +268,14 @@ class MetricsLogger:
         log_dir: Directory for ``metrics.jsonl``, ``samples.jsonl`` and ``run_config.json``.
         tensorboard_enabled: Whether to also write TensorBoard event files.
         tensorboard_dir: Where TensorBoard events go; defaults to ``<log_dir>/tensorboard``.
-        run_config: Optional run configuration, saved as ``<log_dir>/run_config.json`` (and as TensorBoard
-            text when enabled).
+        run_config: Optional run configuration, saved (secrets scrubbed, see :func:`scrub_secrets`) as
+            ``<log_dir>/run_config.json``, as TensorBoard text, as the W&B run config and as MLflow params.
+        wandb: ``logger.wandb`` settings to also log to Weights & Biases; ``None`` disables it.
+        mlflow: ``logger.mlflow`` settings to also log to MLflow; ``None`` disables it.
+
+    Raises:
+        MetricsBackendError: An enabled W&B / MLflow backend is not installed or could not start a run
+            (backends already started are closed first).
     """
 
     def __init__(
@@ -276,18 +285,49 @@ class MetricsLogger:
         tensorboard_enabled: bool,
         tensorboard_dir: Path | None = None,
         run_config: dict[str, Any] | None = None,
+        wandb: WandbConfig | None = None,
+        mlflow: MlflowConfig | None = None,
     ) -> None:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        if run_config is not None:
-            text = json.dumps(_to_json_safe(run_config), indent=2, sort_keys=True, allow_nan=False)
+        config = scrub_secrets(run_config) if run_config is not None else None
+        if config is not None:
+            text = json.dumps(_to_json_safe(config), indent=2, sort_keys=True, allow_nan=False)
             _atomic_write_text(self.log_dir / RUN_CONFIG_FILE, text + "\n")
         self.backends: list[MetricsBackend] = [JsonlBackend(self.log_dir)]
-        if tensorboard_enabled:
-            tb_dir = Path(tensorboard_dir) if tensorboard_dir is not None else self.log_dir / "tensorboard"
-            self.backends.append(TensorboardBackend(tb_dir, run_config))
+        try:
+            if tensorboard_enabled:
+                tb_dir = (
+                    Path(tensorboard_dir) if tensorboard_dir is not None else self.log_dir / "tensorboard"
+                )
+                self.backends.append(TensorboardBackend(tb_dir, config))
+            if wandb is not None:
+                from rlfleet.logging.backends import WandbBackend
+
+                self.backends.append(WandbBackend(wandb, self.log_dir, config))
+            if mlflow is not None:
+                from rlfleet.logging.backends import MlflowBackend
+
+                self.backends.append(MlflowBackend(mlflow, self.log_dir, config))
+        except Exception:
+            for backend in self.backends:
+                backend.close(failed=True)
+            raise
         self._samples = JsonlFile(self.log_dir / SAMPLES_FILE)
         self._closed = False
+
+    @classmethod
+    def from_config(cls, logger_cfg: LoggerConfig, run_config: dict[str, Any] | None = None) -> MetricsLogger:
+        """Builds the logger a recipe's ``logger`` section asks for (TensorBoard, W&B, MLflow)."""
+        tb_dir = logger_cfg.tensorboard.log_dir
+        return cls(
+            Path(logger_cfg.log_dir),
+            tensorboard_enabled=logger_cfg.tensorboard_enabled,
+            tensorboard_dir=Path(tb_dir) if tb_dir else None,
+            run_config=run_config,
+            wandb=logger_cfg.wandb if logger_cfg.wandb_enabled else None,
+            mlflow=logger_cfg.mlflow if logger_cfg.mlflow_enabled else None,
+        )
 
     @property
     def metrics_path(self) -> Path:
@@ -318,13 +358,13 @@ class MetricsLogger:
             backend.truncate_after(step)
         self._samples.truncate_after(step)
 
-    def close(self) -> None:
-        """Flushes and closes every backend; safe to call twice."""
+    def close(self, *, failed: bool = False) -> None:
+        """Flushes and closes every backend (``failed`` marks tracker runs failed); safe to call twice."""
         if self._closed:
             return
         self._closed = True
         for backend in self.backends:
-            backend.close()
+            backend.close(failed=failed)
         self._samples.close()
 
     def __enter__(self) -> MetricsLogger:
@@ -336,4 +376,4 @@ class MetricsLogger:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self.close(failed=exc is not None)

@@ -45,6 +45,14 @@ class TrainBatch:
     def with_(self, **changes: torch.Tensor) -> TrainBatch:
         return replace(self, **changes)
 
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """The same batch with every tensor on ``device`` (no copy when already there)."""
+        return TrainBatch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
+
+
+def _to(value: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
+    return None if value is None else value.to(device)
+
 
 def _slice(value: torch.Tensor | None, start: int, stop: int, width: int) -> torch.Tensor | None:
     if value is None:

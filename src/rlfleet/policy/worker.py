@@ -94,9 +94,9 @@ class PolicyWorker:
         model.eval()
         out = torch.zeros_like(batch.response_mask)
         for start in range(0, len(batch), micro_batch_size):
-            mb = batch.select(start, min(start + micro_batch_size, len(batch)))
+            mb = batch.select(start, min(start + micro_batch_size, len(batch))).to(model.device)
             lp = token_logprobs(model, mb.input_ids, mb.attention_mask, temperature)
-            out[start : start + len(mb), : lp.shape[1]] = lp
+            out[start : start + len(mb), : lp.shape[1]] = lp.to(out.device)
         model.train(was_training)
         return out
 
@@ -139,7 +139,7 @@ class PolicyWorker:
         metrics: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for start in range(0, len(batch), micro_batch_size):
-            mb = batch.select(start, start + micro_batch_size)
+            mb = batch.select(start, start + micro_batch_size).to(self.model.device)
             lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask, temperature)
             loss, mb_metrics = loss_fn(lp, mb, norm)
             loss.backward()

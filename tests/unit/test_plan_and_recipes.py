@@ -1,0 +1,117 @@
+"""Shipped recipes, the seed's command line, the resource layout and `rlfleet plan`."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from rlfleet.algorithms.evaluation import pass_at_k
+from rlfleet.cli import main
+from rlfleet.config import ConfigError, check_config, load_recipe, resolve_recipe_path, shipped_recipe_names
+from rlfleet.distributed.layout import compute_layout
+from rlfleet.plan import count_parameters, make_plan
+
+SEED = "grpo-gemma3-27b-it-2n8g-fsdp2tp8-noncolocated"
+# The seed tutorial's overrides, character for character (REFERENCE.md section 1).
+SEED_COMMAND_LINE = """
+  cluster.num_nodes=2 cluster.gpus_per_node=8 grpo.max_num_steps=300
+  checkpointing.checkpoint_dir=/data/nemo_rl_gemma3_27b_3_17 data.dataset_name=ResponseDataset
+  +data.train_data_path=openai/gsm8k +data.val_data_path=openai/gsm8k +data.val_split=test
+  +data.train_split=train +data.subset="main" +data.input_key="question" +data.output_key="answer"
+  logger.tensorboard_enabled=False logger.wandb_enabled=True logger.wandb.name='nemo_rl_gemma3_27b_3_17'
+  grpo.num_prompts_per_step=16 grpo.num_generations_per_prompt=64 policy.generation.colocated.enabled=False
+  policy.generation.colocated.resources.num_nodes=1 policy.generation.colocated.resources.gpus_per_node=8
+  policy.generation.vllm_cfg.tensor_parallel_size=8 policy.generation.vllm_cfg.gpu_memory_utilization=0.9
+  policy.dtensor_cfg.tensor_parallel_size=8
+"""
+
+
+def test_every_shipped_recipe_validates() -> None:
+    names = shipped_recipe_names()
+    assert {SEED, "grpo-qwen2.5-0.5b-gsm8k-1n1g", "grpo-smollm2-135m-gsm8k-cpu"} <= set(names)
+    for name in names:
+        cfg = load_recipe(resolve_recipe_path(name), ["policy.model_name=m"] if "tiny" in name else [])
+        check_config(cfg, "sft" if name.startswith("sft") else "grpo")
+
+
+@pytest.mark.parametrize("split", [str.split, shlex.split], ids=["verbatim", "as-the-shell-passes-it"])
+def test_seed_command_line_validates_and_plans(split) -> None:
+    cfg = load_recipe(resolve_recipe_path(SEED), split(SEED_COMMAND_LINE))
+    check_config(cfg, "grpo")
+    assert cfg.data.subset == "main" and cfg.data.input_key == "question" and cfg.data.val_split == "test"
+    assert cfg.logger.wandb.name == "nemo_rl_gemma3_27b_3_17" and cfg.logger.tensorboard_enabled is False
+    plan, problems = make_plan(cfg)
+    assert problems == []
+    lay = plan.layout
+    assert (lay.num_nodes, lay.gpus_per_node) == (2, 8)
+    assert (lay.gen_nodes, lay.gen_gpus_per_node, lay.gen_tp, lay.gen_engines) == (1, 8, 8, 1)
+    assert (lay.train_nodes, lay.train_gpus_per_node, lay.train_tp, lay.train_dp) == (1, 8, 8, 1)
+    assert plan.samples_per_step == 1024
+    assert 26.5e9 < plan.parameters < 27.5e9
+
+
+def test_plan_command_prints_the_layout(capsys) -> None:
+    assert main(["plan", SEED, *shlex.split(SEED_COMMAND_LINE)]) == 0
+    out = capsys.readouterr().out
+    assert "dedicated 1 node(s) x 8 GPU(s)" in out and "TP 8 x DP 1" in out and "16 x 64 = 1,024" in out
+    assert "27.01B parameters" in out and "GiB" in out
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (["policy.dtensor_cfg.tensor_parallel_size=3"], "must divide the 8 GPUs per node"),
+        (["policy.generation.colocated.resources.num_nodes=2"], "leaves no training node"),
+        (["policy.generation.colocated.resources.gpus_per_node=16"], "exceeds cluster.gpus_per_node=8"),
+        (["policy.generation.vllm_cfg.tensor_parallel_size=16"], "vllm_cfg.tensor_parallel_size=16"),
+        (["cluster.num_nodes=1", "policy.generation.colocated.resources.gpus_per_node=8"], "no training GPU"),
+        (
+            [
+                "policy.dtensor_cfg.tensor_parallel_size=2",
+                "policy.train_micro_batch_size=3",
+                "policy.train_global_batch_size=390",
+                "grpo.num_prompts_per_step=13",
+                "grpo.num_generations_per_prompt=30",
+            ],
+            "data-parallel size 4",
+        ),
+    ],
+)
+def test_impossible_layouts_are_refused_with_a_fix(overrides, fragment) -> None:
+    cfg = load_recipe(resolve_recipe_path(SEED), overrides)
+    with pytest.raises(ConfigError, match="fix") as info:
+        check_config(cfg, "grpo")
+    assert fragment in str(info.value)
+
+
+def test_single_node_dedicated_generation_splits_the_node() -> None:
+    cfg = load_recipe(
+        resolve_recipe_path(SEED),
+        [
+            "cluster.num_nodes=1",
+            "policy.generation.colocated.resources.gpus_per_node=4",
+            "policy.generation.vllm_cfg.tensor_parallel_size=2",
+            "policy.dtensor_cfg.tensor_parallel_size=2",
+        ],
+    )
+    layout, problems = compute_layout(cfg)
+    assert problems == []
+    assert (layout.gen_world, layout.gen_engines, layout.train_world, layout.train_dp) == (4, 2, 4, 2)
+
+
+def test_parameter_count_matches_known_models() -> None:
+    qwen = load_recipe(resolve_recipe_path("grpo-qwen2.5-0.5b-gsm8k-1n1g")).policy.architecture
+    smol = load_recipe(resolve_recipe_path("grpo-smollm2-135m-gsm8k-cpu")).policy.architecture
+    assert abs(count_parameters(qwen) - 494_032_768) / 494_032_768 < 0.01
+    assert abs(count_parameters(smol) - 134_515_008) / 134_515_008 < 0.01
+
+
+def test_pass_at_k() -> None:
+    assert pass_at_k(4, 0, 1) == 0.0
+    assert pass_at_k(4, 4, 4) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)
+    with pytest.raises(ValueError):
+        pass_at_k(2, 3, 1)
