@@ -13,7 +13,7 @@ from rlfleet.algorithms.grpo import grpo_train
 from rlfleet.algorithms.sft import sft_train
 from rlfleet.checkpoint import CheckpointManager, export_hf
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
-from rlfleet.data import load_task, render_prompt
+from rlfleet.data import load_prompt_template, load_task, render_prompt, resolve_system_prompt
 from rlfleet.logging import read_metrics
 from rlfleet.models.tiny import TinyModelSpec, create_tiny_model, train_tokenizer
 
@@ -27,7 +27,8 @@ def tokenizer_corpus(cfg: MasterConfig) -> list[str]:
     """Task text plus the chat-template scaffolding, so the tokenizer learns both."""
     train, _ = load_task(cfg.data)
     scaffold = train_tokenizer(["user assistant system"], 300)  # only to render the chat format
-    return [render_prompt(scaffold, ex.question, cfg.data.system_prompt) + ex.answer for ex in train]
+    system, template = resolve_system_prompt(cfg.data), load_prompt_template(cfg.data)
+    return [render_prompt(scaffold, ex.question, system, template) + ex.answer for ex in train]
 
 
 def ensure_tiny_model(out_dir: Path, cfg: MasterConfig, seed: int) -> Path:

@@ -16,7 +16,14 @@ import torch
 
 from rlfleet.checkpoint import CheckpointManager
 from rlfleet.config import MasterConfig, config_to_yaml
-from rlfleet.data import Prompt, ResumableLoader, build_prompts, load_task
+from rlfleet.data import (
+    Prompt,
+    ResumableLoader,
+    build_prompts,
+    load_prompt_template,
+    load_task,
+    resolve_system_prompt,
+)
 from rlfleet.generation import GenerationBackend, HFGenerationBackend, SamplingParams
 from rlfleet.logging import MetricsLogger, Progress, format_step_line, plot_run
 from rlfleet.models.loading import load_model, load_tokenizer
@@ -78,13 +85,12 @@ class TaskData:
 def load_prompts(cfg: MasterConfig, tokenizer: Any, max_val_samples: int) -> TaskData:
     """Loads the task and renders its prompts; too-long prompts are dropped and counted."""
     train_ex, val_ex = load_task(cfg.data)
+    system_prompt = resolve_system_prompt(cfg.data)
+    template = load_prompt_template(cfg.data)
     budget = prompt_budget(cfg)
-    train, dropped_train = build_prompts(
-        tokenizer, train_ex, system_prompt=cfg.data.system_prompt, max_prompt_tokens=budget
-    )
-    val, dropped_val = build_prompts(
-        tokenizer, val_ex[:max_val_samples], system_prompt=cfg.data.system_prompt, max_prompt_tokens=budget
-    )
+    kwargs = {"system_prompt": system_prompt, "max_prompt_tokens": budget, "prompt_template": template}
+    train, dropped_train = build_prompts(tokenizer, train_ex, **kwargs)
+    val, dropped_val = build_prompts(tokenizer, val_ex[:max_val_samples], **kwargs)
     if dropped_train or dropped_val:
         log.warning(
             "dropped %d train and %d val prompts longer than %d tokens", dropped_train, dropped_val, budget

@@ -198,7 +198,7 @@ def _extract_gold(output: str) -> str | None:
         tail = text.rpartition("####")[2].strip()
         first_line = tail.splitlines()[0].strip() if tail else ""
         number = _HASHES_NUMBER.match(first_line)
-        gold = number.group(1).replace(",", ",") if number else first_line
+        gold = number.group(1).replace(",", "") if number else first_line
     elif _BOXED in text:
         gold = _last_boxed(text)
     else:

@@ -2,18 +2,40 @@
 
 A reward function is a plain function ``(prompt, response, gold) -> float``; recipes pick one by dotted
 path (``env.math.reward_fn``).
+
+:func:`math_reward` first finds the response's final answer: the rest of the line after the last ``####``
+(GSM8k), else the content of the last ``\\boxed{...}``, else the last number. When that answer and the
+gold are both plain numbers (currency signs, thousands separators, a percent sign and trailing words such
+as units allowed) they are compared exactly as fractions, which takes microseconds and settles nearly every
+GSM8k-style response. Anything else (``\\frac{3}{4}``, ``3/4``, ``2^{10}``, a symbolic gold) goes to HF
+math-verify, under a wall-clock budget.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from fractions import Fraction
+
+from rlfleet.rewards.verify import VerificationTimeout, symbolic_match, time_budget
+
+DEFAULT_TIMEOUT_S = 5.0
+"""Wall-clock budget of one in-process :func:`math_reward` call (the ``env.math.timeout_s`` default)."""
 
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"
 _HASHES = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
 _BOXED = re.compile(r"\\boxed\{\s*\$?\s*(" + _NUMBER + r")\s*\}")
 _ANY = re.compile(_NUMBER)
+_HASHES_NUMBER = re.compile(r"\$?\s*(" + _NUMBER + r")(?!\s*/)")
+# One number, alone: an optional currency sign, the number, an optional percent sign, then only words and
+# punctuation (units, a full stop, markdown emphasis) -- no digit, operator or LaTeX that would make the
+# number part of an expression.
+_PLAIN = re.compile(r"\s*(?:\\?\$\s*)?(" + _NUMBER + r")\s*(?:\\?%)?[\sA-Za-z.,;:!?()'\"$*]*")
+# Text right before a last number that makes it part of a fraction, power, subscript or LaTeX command.
+_EXPRESSION_BEFORE = re.compile(r"(?:[/^_{]|\\[A-Za-z]*)\s*$")
+_BOXED_OPEN = "\\boxed{"
 _MAX_CHARS = 10_000
+_MAX_ANSWER_CHARS = 1_000
 
 
 def _clean(number: str) -> str:
@@ -35,24 +57,138 @@ def extract_answer(text: str) -> str | None:
     return _clean(numbers[-1]) if numbers else None
 
 
+def _last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}``, nested braces included; None when absent or unclosed."""
+    start = text.rfind(_BOXED_OPEN)
+    if start < 0:
+        return None
+    start += len(_BOXED_OPEN)
+    depth = 1
+    for index in range(start, len(text)):
+        if text[index] == "{":
+            depth += 1
+        elif text[index] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:index]
+    return None
+
+
+def extract_gold(output: str) -> str | None:
+    """The final answer of a worked solution (a dataset's reference output), or None when it has none.
+
+    The number after the last ``####`` with thousands commas removed (``#### 1,080`` -> ``1080``; a
+    non-numeric answer there, such as ``3/4`` or ``B``, is kept as written), else the content of the last
+    ``\\boxed{...}`` (braces matched), else None.
+    """
+    if "####" in output:
+        tail = output.rpartition("####")[2].strip()
+        line = tail.splitlines()[0].strip() if tail else ""
+        number = _HASHES_NUMBER.match(line)
+        gold = _clean(number.group(1)) if number else line
+        if gold:
+            return gold
+    boxed = _last_boxed(output)
+    if boxed is None or not boxed.strip():
+        return None
+    return boxed.strip()
+
+
+@dataclass(frozen=True)
+class FinalAnswer:
+    """A response's final answer.
+
+    Attributes:
+        text: The answer as written (the line after ``####``, the boxed content, or the last number with
+            the rest of its line).
+        expression: What math-verify parses when ``text`` is not a plain number.
+        standalone: False when the last number is part of an expression (``3/4``, ``2^{10}``) and must not
+            be compared on its own.
+    """
+
+    text: str
+    expression: str
+    standalone: bool = True
+
+
+def _last_number_answer(text: str) -> FinalAnswer | None:
+    last = None
+    for last in _ANY.finditer(text):  # noqa: B007 -- we want the last match
+        pass
+    if last is None:
+        return None
+    line_start = text.rfind("\n", 0, last.start()) + 1
+    line_end = text.find("\n", last.end())
+    line_end = len(text) if line_end < 0 else line_end
+    standalone = _EXPRESSION_BEFORE.search(text, line_start, last.start()) is None
+    line = text[line_start:line_end]
+    return FinalAnswer(text[last.start() : line_end], line[-_MAX_ANSWER_CHARS:], standalone)
+
+
+def final_answer(response: str) -> FinalAnswer | None:
+    """The final answer of ``response``: after the last ``####``, else the last ``\\boxed{}``, else the
+    last number. Only the last 10,000 characters are read. None when there is none."""
+    tail = response[-_MAX_CHARS:]
+    if "####" in tail:
+        after = tail.rpartition("####")[2].strip()
+        line = after.splitlines()[0].strip() if after else ""
+        if line:
+            return FinalAnswer(line, line)
+    boxed = _last_boxed(tail)
+    if boxed is not None:
+        return FinalAnswer(boxed, _BOXED_OPEN + boxed + "}")
+    return _last_number_answer(tail)
+
+
 def _as_number(text: str) -> Fraction | None:
     try:
-        return Fraction(_clean(text.strip().lstrip("$")))
+        return Fraction(_clean(text.strip().lstrip("$").strip()))
     except (ValueError, ZeroDivisionError):
         return None
 
 
-def math_reward(prompt: str, response: str, gold: str) -> float:
-    """1.0 when the response's final answer equals ``gold`` numerically, else 0.0.
+def plain_number(text: str) -> Fraction | None:
+    """``text`` as an exact number when it is one number alone (``$1,080.``, ``75%``, ``18 eggs``)."""
+    cleaned = text.replace("{,}", ",").replace("\\,", ",").replace("\\!", "")
+    match = _PLAIN.fullmatch(cleaned)
+    return _as_number(match.group(1)) if match else None
+
+
+def answers_match(response: str, gold: str) -> bool:
+    """Whether the final answer of ``response`` equals ``gold``: exactly for plain numbers, else by
+    math-verify. Not time-bounded: see :func:`math_reward` and :class:`~rlfleet.rewards.VerifierPool`."""
+    answer = final_answer(response)
+    if answer is None or len(answer.text) > _MAX_ANSWER_CHARS or len(gold) > _MAX_ANSWER_CHARS:
+        return False
+    wanted = _as_number(gold)
+    got = plain_number(answer.text) if answer.standalone else None
+    if wanted is not None and got is not None:
+        return wanted == got
+    return symbolic_match(answer.expression, gold)
+
+
+def math_reward(prompt: str, response: str, gold: str, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> float:
+    """1.0 when the response's final answer equals ``gold`` (numerically or symbolically), else 0.0.
+
+    Never raises for bad input: an error or a check running past ``timeout_s`` gives 0.0. The budget is a
+    ``SIGALRM`` timer, so it holds only on the main thread and only for Python code; inside a
+    :class:`~rlfleet.rewards.VerifierPool` worker the pool's own budget applies instead (a timeout there
+    propagates so that the pool counts it), and a worker stuck in C code is killed.
 
     Args:
         prompt: The prompt (unused by this reward; part of the reward-function signature).
         response: The model's generated text.
-        gold: The reference answer, a number such as ``"72"`` or ``"1,080"``.
+        gold: The reference answer: a number such as ``"72"`` or ``"1,080"``, or LaTeX (``"\\frac{3}{4}"``).
+        timeout_s: Wall-clock budget of this call; None for unbounded.
     """
     del prompt
-    predicted = extract_answer(response)
-    if predicted is None:
+    armed = False
+    try:
+        with time_budget(timeout_s) as armed:
+            return 1.0 if answers_match(response, gold) else 0.0
+    except VerificationTimeout:
+        if not armed:
+            raise  # an enclosing budget (a pool worker's) expired: let its owner count it
         return 0.0
-    want, got = _as_number(gold), _as_number(predicted)
-    return 1.0 if want is not None and got is not None and want == got else 0.0
+    except Exception:  # noqa: BLE001 -- a reward must never crash a training step
+        return 0.0
