@@ -19,6 +19,7 @@ from rlfleet.config import (
     resolve_recipe_path,
     unsupported_settings,
 )
+from rlfleet.deploy.cli import add_deploy_commands
 
 log = logging.getLogger("rlfleet")
 
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a step_N checkpoint directory")
     p.add_argument("out_dir")
     p.set_defaults(func=cmd_export)
+    add_deploy_commands(sub)
     p = sub.add_parser("demo", help="the embedded default: tiny model, SFT warm start, GRPO (CPU, offline)")
     p.add_argument("--out", default="runs/demo", help="where models, checkpoints and logs go")
     p.add_argument("overrides", nargs="*", help="overrides for the GRPO stage")

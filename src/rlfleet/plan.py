@@ -35,6 +35,8 @@ class Plan:
     optimizer_steps_per_step: int
     micro_batches_per_optimizer_step: int
     parameters: int | None
+    gen_memory_utilization: float
+    gen_max_model_len: int
 
     def training_memory_gib(self) -> dict[str, float]:
         if self.parameters is None:
@@ -60,6 +62,8 @@ def make_plan(cfg: MasterConfig) -> tuple[Plan, list[str]]:
             p.train_global_batch_size // max(layout.train_dp * p.train_micro_batch_size, 1), 1
         ),
         parameters=count_parameters(arch) if arch is not None else None,
+        gen_memory_utilization=p.generation.vllm_cfg.gpu_memory_utilization,
+        gen_max_model_len=p.generation.vllm_cfg.max_model_len or p.max_total_sequence_length,
     )
     return plan, problems
 
@@ -117,6 +121,6 @@ def format_plan(cfg: MasterConfig, plan: Plan, recipe: str) -> str:
     gen_weights = plan.parameters * BYTES[p.precision] / lay.gen_tp / GIB
     lines.append("  memory per generation GPU:")
     lines.append(f"    {'weights (' + p.precision + ')':<30}{gen_weights:8.1f} GiB")
-    util = p.generation.vllm_cfg.gpu_memory_utilization
-    lines.append(f"    {'KV cache':<30}the rest of gpu_memory_utilization={util}")
+    util, ctx = plan.gen_memory_utilization, plan.gen_max_model_len
+    lines.append(f"    {'KV cache':<30}the rest of gpu_memory_utilization={util} (max_model_len {ctx})")
     return "\n".join(lines)

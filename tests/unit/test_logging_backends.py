@@ -6,13 +6,14 @@ import json
 import math
 import struct
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from rlfleet.config import ConfigError, ensure_runnable
+from rlfleet.config import ConfigError, ensure_runnable, schema_keys
 from rlfleet.config.schema import LoggerConfig, MasterConfig, MlflowConfig, WandbConfig
 from rlfleet.logging import MetricsBackendError, MetricsLogger, MlflowBackend, WandbBackend, scrub_secrets
 from rlfleet.logging.backends import mlflow_metric_name, mlflow_params
@@ -61,48 +62,63 @@ def _stop_wandb_service() -> Iterator[None]:
 # ------------------------------------------------------------------------------------------- helpers
 
 
-def _wandb_records(path: Path) -> Iterator[Any]:
+def _wandb_records(path: Path) -> list[Any]:
     """Decodes a W&B ``.wandb`` transaction log (LevelDB-style 32 KiB blocks of protobuf records)."""
-    raw, block, pos, pending = path.read_bytes(), 32768, 7, b""
+    raw, block, pos, pending, records = path.read_bytes(), 32768, 7, b"", []
     assert raw[:4] == b":W&B", raw[:7]
     while pos + 7 <= len(raw):
         if block - pos % block < 7:  # block trailer padding
             pos += block - pos % block
             continue
         _crc, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        if pos + 7 + length > len(raw):  # a record still being written
+            break
         data, pos = raw[pos + 7 : pos + 7 + length], pos + 7 + length
-        if kind in (1, 2):  # FULL, FIRST
-            pending = data
-        elif kind in (3, 4):  # MIDDLE, LAST
-            pending += data
+        pending = data if kind in (1, 2) else pending + data  # FULL, FIRST | MIDDLE, LAST
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
-            yield record
+            records.append(record)
+    return records
+
+
+def _finished_wandb_run(run_file: Path, timeout_s: float = 20.0) -> list[Any]:
+    """The records of an offline run, once its exit record is on disk.
+
+    ``run.finish()`` returns before wandb-core has flushed the offline ``.wandb`` file (it is written by
+    the service process), so wait for the exit record rather than reading straight away.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = _wandb_records(run_file)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.02)
 
 
 def _wandb_run_files(log_dir: Path) -> list[Path]:
     return sorted((log_dir / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
-def _wandb_history(run_file: Path) -> dict[int, dict[str, Any]]:
+def _wandb_history(records: list[Any]) -> dict[int, dict[str, Any]]:
     history: dict[int, dict[str, Any]] = {}
-    for record in _wandb_records(run_file):
+    for record in records:
         if record.WhichOneof("record_type") == "history":
-            items = {
-                item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                for item in record.history.item
-            }
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
             history[record.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
     return history
 
 
-def _wandb_run_record(run_file: Path) -> Any:
-    return next(r.run for r in _wandb_records(run_file) if r.WhichOneof("record_type") == "run")
+def _wandb_run_record(records: list[Any]) -> Any:
+    return next(r.run for r in records if r.WhichOneof("record_type") == "run")
 
 
-def _wandb_exit_code(run_file: Path) -> int:
-    return next(r.exit.exit_code for r in _wandb_records(run_file) if r.WhichOneof("record_type") == "exit")
+def _wandb_config(records: list[Any]) -> dict[str, Any]:
+    return {u.key: json.loads(u.value_json) for u in _wandb_run_record(records).config.update}
+
+
+def _wandb_exit_code(records: list[Any]) -> int:
+    return next(r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit")
 
 
 def _mlflow_client(log_dir: Path) -> MlflowClient:
@@ -128,13 +144,14 @@ def test_wandb_offline_run_under_log_dir_holds_steps_config_and_finishes(tmp_pat
     assert run_id == backend.run_id
     [run_file] = _wandb_run_files(tmp_path)
     assert run_file.name == f"run-{run_id}.wandb"
-    history = _wandb_history(run_file)
+    records = _finished_wandb_run(run_file)
+    history = _wandb_history(records)
     assert history == {s: {"train/reward": s / 10, "val:accuracy": 1} for s in (1, 2, 3)}  # NaN skipped
-    run = _wandb_run_record(run_file)
+    run = _wandb_run_record(records)
     assert run.run_id == run_id and run.project == "rlfleet"
-    config = {u.key: json.loads(u.value_json) for u in run.config.update}
+    config = _wandb_config(records)
     assert config["policy"] == RUN_CONFIG["policy"] and config["grpo"]["lr"] == 1e-5
-    assert _wandb_exit_code(run_file) == 0
+    assert _wandb_exit_code(records) == 0
 
 
 def test_wandb_resume_reuses_run_id_and_failure_sets_exit_code(tmp_path: Path) -> None:
@@ -148,8 +165,9 @@ def test_wandb_resume_reuses_run_id_and_failure_sets_exit_code(tmp_path: Path) -
         log.truncate_after(1)
         log.log(2, {"train/reward": 0.2})
         raise RuntimeError("boom")
-    first, second = sorted((tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert first.name == second.name  # same W&B run id, two offline segments for `wandb sync`
+    first_file, second_file = sorted((tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert first_file.name == second_file.name  # same W&B run id, two offline segments for `wandb sync`
+    first, second = _finished_wandb_run(first_file), _finished_wandb_run(second_file)
     assert _wandb_run_record(first).display_name == "demo"
     assert _wandb_history(second) == {2: {"train/reward": 0.2}}
     assert (_wandb_exit_code(first), _wandb_exit_code(second)) == (0, 1)
@@ -163,7 +181,7 @@ def test_wandb_skips_steps_a_resumed_run_would_drop(tmp_path: Path) -> None:
     backend.log(4, {"train/kl": None})  # nothing to log
     backend.close()
     [run_file] = _wandb_run_files(tmp_path)
-    assert _wandb_history(run_file) == {3: {"train/reward": 0.3}}
+    assert _wandb_history(_finished_wandb_run(run_file)) == {3: {"train/reward": 0.3}}
 
 
 # ------------------------------------------------------------------------------------------ MLflow
@@ -199,9 +217,7 @@ def test_mlflow_resume_reuses_run_truncate_tags_and_relogs(tmp_path: Path) -> No
         first_id = log.backends[-1].run_id
     with (
         pytest.raises(RuntimeError, match="boom"),
-        MetricsLogger(
-            tmp_path, tensorboard_enabled=False, run_config={"lr": 2, "b": 2}, mlflow=cfg
-        ) as log,
+        MetricsLogger(tmp_path, tensorboard_enabled=False, run_config={"lr": 2, "b": 2}, mlflow=cfg) as log,
     ):
         backend = log.backends[-1]
         assert backend.run_id == first_id and backend.resumed
@@ -277,7 +293,48 @@ def test_started_backends_are_closed_when_a_later_one_fails(
     with pytest.raises(MetricsBackendError, match="mlflow"):
         MetricsLogger(tmp_path, tensorboard_enabled=False, wandb=WandbConfig(), mlflow=MlflowConfig())
     [run_file] = _wandb_run_files(tmp_path)
-    assert _wandb_exit_code(run_file) == 1
+    assert _wandb_exit_code(_finished_wandb_run(run_file)) == 1
+
+
+def test_wandb_init_failure_says_how_to_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(**kwargs: Any) -> None:
+        raise wandb.errors.UsageError("api_key not configured (no-tty)")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    with pytest.raises(MetricsBackendError, match=r"api_key not configured.*WANDB_API_KEY.*mode=offline"):
+        WandbBackend(WandbConfig(mode="online"), tmp_path, None)
+
+
+def test_mlflow_init_failure_masks_url_credentials(tmp_path: Path) -> None:
+    with pytest.raises(MetricsBackendError, match=r"logger\.mlflow\.tracking_uri") as info:
+        MlflowBackend(MlflowConfig(tracking_uri="bogus://alice:pw-secret@host"), tmp_path, None)
+    assert "pw-secret" not in str(info.value) and "bogus://***@host" in str(info.value)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_mlflow_deleted_experiment_is_refused(tmp_path: Path) -> None:
+    client = _mlflow_client(tmp_path)
+    client.delete_experiment(client.create_experiment("gone"))
+    with pytest.raises(MetricsBackendError, match=r"experiment 'gone' .* is deleted"):
+        MlflowBackend(MlflowConfig(experiment_name="gone"), tmp_path, None)
+
+
+def test_mlflow_log_failure_warns_once_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from mlflow.exceptions import MlflowException
+
+    backend = MlflowBackend(MlflowConfig(), tmp_path, None)
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise MlflowException("server unavailable")
+
+    monkeypatch.setattr(backend.client, "log_batch", fail)
+    with caplog.at_level("WARNING", logger="rlfleet.logging.backends"):
+        backend.log(1, {"x": 1.0})
+        backend.log(2, {"x": 2.0})
+    assert [r.getMessage().count("server unavailable") for r in caplog.records] == [1]
+    backend.close()
 
 
 def test_from_config_maps_logger_section(tmp_path: Path) -> None:
@@ -312,10 +369,20 @@ def test_wandb_and_mlflow_are_runnable_settings() -> None:
 
 
 def test_looks_secret_and_scrub() -> None:
-    for name in ("hf_token", "WANDB_API_KEY", "apiKey", "password", "client-secret", "aws_access_key_id"):
+    secret = ["hf_token", "HF_TOKEN", "WANDB_API_KEY", "apiKey", "api-key", "key", "token", "db_password"]
+    secret += [
+        "client-secret",
+        "aws_secret_access_key",
+        "MLFLOW_TRACKING_TOKEN",
+        "private_key",
+        "accessToken",
+    ]
+    for name in secret:
         assert looks_secret(name), name
-    for name in ("tokenizer", "max_new_tokens", "keep_top_k", "model_name", "monkey"):
+    for name in ("tokenizer", "pad_token", "input_key", "keep_top_k", "model_name", "monkey", "", "_"):
         assert not looks_secret(name), name
+    # No setting of the schema is mistaken for a secret (token_level_loss, num_key_value_heads, ...).
+    assert [key for key in schema_keys() if any(looks_secret(part) for part in key.split("."))] == []
     scrubbed = scrub_secrets(
         {"a": {"hf_token": "hf_abc", "api_key": None, "tokenizer": {"name": "t"}}, "uri": "https://u:p@h/x"}
     )
@@ -336,6 +403,8 @@ def test_secrets_never_reach_files_under_log_dir(tmp_path: Path, monkeypatch: py
         tmp_path, tensorboard_enabled=True, run_config=run_config, wandb=WandbConfig(), mlflow=MlflowConfig()
     ) as log:
         log.log(1, {"train/reward": 0.5})
+    [run_file] = _wandb_run_files(tmp_path)
+    wandb_records = _finished_wandb_run(run_file)  # all of W&B's files are on disk
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert len(files) > 10  # jsonl, run config, TensorBoard, W&B offline run, MLflow store
     for path in files:
@@ -346,6 +415,5 @@ def test_secrets_never_reach_files_under_log_dir(tmp_path: Path, monkeypatch: py
     assert saved["hub"]["HF_TOKEN"] == "***" and saved["policy"]["model_name"] == "tiny-model"
     params = _mlflow_client(tmp_path).get_run(log.backends[-1].run_id).data.params
     assert params["hub.HF_TOKEN"] == "***" and params["hub.url"] == "https://***@example.com/repo"
-    [run_file] = _wandb_run_files(tmp_path)
-    wandb_config = {u.key: json.loads(u.value_json) for u in _wandb_run_record(run_file).config.update}
+    wandb_config = _wandb_config(wandb_records)
     assert wandb_config["hub"]["HF_TOKEN"] == "***" and wandb_config["policy"]["model_name"] == "tiny-model"

@@ -1,6 +1,69 @@
+"""Answer extraction, the math reward (regex fast path + math-verify) and the verifier pool."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import pytest
 
-from rlfleet.rewards import extract_answer, load_reward_fn, math_reward
+from rlfleet.rewards import (
+    RewardBatch,
+    VerifierPool,
+    extract_answer,
+    extract_gold,
+    load_reward_fn,
+    math_reward,
+)
+from rlfleet.rewards.verify import time_budget
+
+TIMEOUT_S = 1.0
+
+# ------------------------------------------------------------------ reward functions run by pool workers
+# Top level so that workers can import them (``tests.unit.test_rewards.<name>``).
+
+
+def stall_reward(prompt: str, response: str, gold: str) -> float:
+    """Like a check stuck in C code: SIGALRM is blocked, so only a kill ends it."""
+    if response == "stall":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(60)
+    return 1.0
+
+
+def slow_reward(prompt: str, response: str, gold: str) -> float:
+    time.sleep(0.05)
+    return 1.0
+
+
+def die_once_reward(prompt: str, response: str, gold: str) -> float:
+    """Kills its own process the first time it sees ``die`` (the marker file ``prompt`` remembers)."""
+    if response == "die" and not Path(prompt).exists():
+        Path(prompt).touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 1.0
+
+
+def always_die_reward(prompt: str, response: str, gold: str) -> float:
+    if response == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 1.0
+
+
+def raising_reward(prompt: str, response: str, gold: str) -> float:
+    if response == "raise":
+        raise KeyError("boom")
+    if response == "not a number":
+        return "x"  # type: ignore[return-value]
+    return 0.5
+
+
+# ---------------------------------------------------------------------------------------- extraction
 
 
 @pytest.mark.parametrize(
@@ -22,18 +85,140 @@ def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
 
-def test_math_reward_is_binary_and_numeric():
-    assert math_reward("p", "4 + 4 = 8\n#### 8", "8") == 1.0
-    assert math_reward("p", "#### 8.0", "8") == 1.0
-    assert math_reward("p", "#### 1,080", "1080") == 1.0
-    assert math_reward("p", "#### 1080", "1,080") == 1.0
-    assert math_reward("p", "#### 9", "8") == 0.0
-    assert math_reward("p", "nothing", "8") == 0.0
-    assert math_reward("p", "#### 8", "not a number") == 0.0
+@pytest.mark.parametrize(
+    ("output", "expected"),
+    [
+        ("3 + 4 = <<3+4=7>>7\n#### 7", "7"),
+        ("#### 1,080", "1080"),
+        ("#### $18.", "18"),
+        ("#### -10", "-10"),
+        ("first #### 5\nthen #### 6\n", "6"),
+        ("#### 3/4", "3/4"),
+        ("#### B", "B"),
+        ("so \\boxed{\\frac{1}{2}} and \\boxed{\\frac{3}{4}}", "\\frac{3}{4}"),
+        ("\\boxed{5}\n####", "5"),
+        ("\\boxed{5", None),
+        ("\\boxed{ }", None),
+        ("the answer is 5", None),
+    ],
+)
+def test_extract_gold(output, expected):
+    assert extract_gold(output) == expected
+
+
+# --------------------------------------------------------------------------------------- math_reward
+
+
+@pytest.mark.parametrize(
+    ("response", "gold"),
+    [
+        ("4 + 4 = <<4+4=8>>8\n#### 8", "8"),
+        ("#### 8.0", "8"),
+        ("#### 1,080", "1080"),
+        ("#### 1080", "1,080"),
+        ("#### $1,080", "1080"),
+        ("so the answer is \\boxed{72}.", "72"),
+        ("so the answer is \\boxed{\\$1{,}080}.", "1080"),
+        ("\\boxed{18 \\text{ dollars}}", "18"),
+        ("The answer is 42.", "42"),
+        ("She earns $1,080 in total.", "1080"),
+        ("He pays $2,880,000", "2880000"),
+        ("12 eggs, then 15", "15"),
+        ("The discount is 20%.", "20"),
+        ("The answer is **-3**", "-3"),
+        ("\\boxed{\\frac{3}{4}}", "0.75"),
+        ("\\boxed{0.75}", "\\frac{3}{4}"),
+        ("The answer is 3/4", "0.75"),
+        ("The answer is $\\frac{3}{4}$.", "3/4"),
+        ("#### \\frac{3}{4}", "0.75"),
+        ("\\boxed{2^{10}}", "1024"),
+        ("The answer is 0.75", "\\frac{3}{4}"),
+        ("\\boxed{\\sqrt{2}}", "\\sqrt{2}"),
+    ],
+)
+def test_math_reward_right(response, gold):
+    assert math_reward("p", response, gold) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("response", "gold"),
+    [
+        ("#### 9", "8"),
+        ("#### 1,081", "1080"),
+        ("so the answer is \\boxed{73}.", "72"),
+        ("The answer is 43.", "42"),
+        ("She earns $1,079 in total.", "1080"),
+        ("The answer is 3/4", "4"),  # the last number is part of a fraction
+        ("\\boxed{\\frac{3}{5}}", "0.75"),
+        ("\\boxed{2^{10}}", "10"),
+        ("\\boxed{3} but #### 4", "3"),  # #### wins over \boxed
+        ("nothing", "8"),
+        ("", "8"),
+        ("#### 8", "not a number"),
+        ("#### 8", ""),
+        ("\\boxed{\\sqrt{3}}", "\\sqrt{2}"),
+    ],
+)
+def test_math_reward_wrong(response, gold):
+    assert math_reward("p", response, gold) == 0.0
 
 
 def test_huge_response_is_bounded():
+    start = time.perf_counter()
     assert math_reward("p", "x" * 2_000_000 + " #### 5", "5") == 1.0
+    assert time.perf_counter() - start < 0.5
+
+
+def test_math_reward_works_off_the_main_thread():
+    # math-verify's own timeouts use signal.alarm, which raises off the main thread; ours stand down.
+    with ThreadPoolExecutor(2) as threads:
+        rewards = list(
+            threads.map(lambda r: math_reward("p", r, "0.75"), ["\\boxed{\\frac{3}{4}}", "#### 1"])
+        )
+    assert rewards == [1.0, 0.0]
+
+
+# name -> (response, gold, whether the check reaches sympy/ANTLR and runs out of time). The others are
+# rejected in microseconds: only the last 10,000 characters are read, and an answer over 1,000 characters
+# is never parsed.
+HOSTILE = {
+    "power tower": ("\\boxed{9^{9^{9^{9}}}}", "72", True),
+    "power tower, no box": ("The answer is $9^{9^{9^{9}}}$.", "72", True),
+    "power-tower gold": ("\\boxed{72}", "9^{9^{9^9}}", True),
+    "20 nested braces": ("\\boxed{" + "{" * 20 + "1" + "}" * 20 + "}", "2", True),  # ANTLR: minutes
+    "1 MB response": ("1+" * 500_000 + "1", "500001", False),
+    "10,000 nested parentheses": ("\\boxed{" + "(" * 10_000 + "1" + ")" * 10_000 + "}", "1", False),
+    "10,000 nested braces": ("\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}", "1", False),
+    "10,000 nested brackets, then ####": ("[" * 10_000 + "]" * 10_000 + " #### 1", "2", False),
+    "600 nested braces": ("\\boxed{" + "{" * 600 + "1" + "}" * 600 + "}", "1", False),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_input_in_process_is_bounded(name):
+    response, gold, _ = HOSTILE[name]
+    start = time.perf_counter()
+    assert math_reward("p", response, gold, timeout_s=0.5) == 0.0
+    assert time.perf_counter() - start < 1.5
+
+
+def test_time_budget_nests_inside_a_foreign_timer_and_restores_it():
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(True))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 2.0)
+        with time_budget(0.1) as armed:
+            assert armed
+            with time_budget(0.05) as inner:
+                assert not inner  # the outer budget owns the time
+        remaining = signal.getitimer(signal.ITIMER_REAL)[0]
+        assert 1.5 < remaining < 2.0
+        with time_budget(5.0) as armed:
+            assert not armed  # the foreign timer fires first anyway
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0.0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not fired
 
 
 def test_load_reward_fn():
@@ -42,3 +227,129 @@ def test_load_reward_fn():
         load_reward_fn("rlfleet.rewards.nope")
     with pytest.raises(ValueError, match="dotted path"):
         load_reward_fn("nodots")
+
+
+# -------------------------------------------------------------------------------------- VerifierPool
+
+
+@pytest.fixture(scope="module")
+def math_pool() -> Iterator[VerifierPool]:
+    with VerifierPool("rlfleet.rewards.math_reward", num_workers=2, timeout_s=TIMEOUT_S) as pool:
+        yield pool
+
+
+def _normal_items() -> list[tuple[str, str, str]]:
+    items = []
+    for n in range(1, 41):
+        gold = str(n * 37)
+        items += [
+            ("q", f"work\n#### {n * 37:,}", gold),
+            ("q", f"so \\boxed{{{n * 37}}}.", gold),
+            ("q", f"The answer is {n * 37 + 1}.", gold),
+            ("q", f"The answer is $\\frac{{{2 * n * 37}}}{{2}}$.", gold),
+            ("q", f"nothing to see {n}x", gold),
+        ]
+    return items
+
+
+def test_pool_matches_in_process(math_pool):
+    items = _normal_items()
+    batch = math_pool.score(items)
+    assert batch == RewardBatch([math_reward(*item) for item in items], 0, 0)
+    assert sum(batch.rewards) == 120
+    assert math_pool.score([]) == RewardBatch([], 0, 0)
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_input_in_pool_is_bounded_and_counted(math_pool, name):
+    response, gold, times_out = HOSTILE[name]
+    start = time.perf_counter()
+    batch = math_pool.score([("q", response, gold), ("q", "#### 5", "5")])
+    assert time.perf_counter() - start < 3 * TIMEOUT_S
+    assert batch == RewardBatch([0.0, 1.0], num_timeouts=int(times_out), num_errors=0)
+
+
+def test_hostile_batch_in_pool(math_pool):
+    items = [("q", response, gold) for response, gold, _ in HOSTILE.values()] + _normal_items()
+    start = time.perf_counter()
+    batch = math_pool.score(items)
+    assert time.perf_counter() - start < 3 * 2 * TIMEOUT_S  # 4 timeouts on 2 workers
+    assert batch.rewards == [0.0] * len(HOSTILE) + [math_reward(*item) for item in _normal_items()]
+    assert batch.num_timeouts == sum(times_out for _, _, times_out in HOSTILE.values())
+
+
+def test_stuck_worker_is_killed_and_replaced():
+    with VerifierPool(stall_reward, num_workers=2, timeout_s=TIMEOUT_S) as pool:
+        pool.wait_ready()
+        before = pool.worker_pids
+        start = time.perf_counter()
+        batch = pool.score([("q", "ok", "g"), ("q", "stall", "g"), *[("q", "ok", "g")] * 20])
+        assert time.perf_counter() - start < 3 * TIMEOUT_S
+        assert batch == RewardBatch([1.0, 0.0] + [1.0] * 20, num_timeouts=1, num_errors=0)
+        assert len(set(pool.worker_pids) - set(before)) == 1
+        assert pool.score([("q", "ok", "g")] * 4).rewards == [1.0] * 4
+
+
+def test_reward_errors_are_counted():
+    with VerifierPool(raising_reward, num_workers=1, timeout_s=TIMEOUT_S) as pool:
+        batch = pool.score([("q", "raise", "g"), ("q", "fine", "g"), ("q", "not a number", "g")])
+    assert batch == RewardBatch([0.0, 0.5, 0.0], num_timeouts=0, num_errors=2)
+
+
+def test_worker_killed_mid_batch_is_replaced_and_the_batch_completes():
+    with VerifierPool(slow_reward, num_workers=2, timeout_s=5.0) as pool:
+        pool.wait_ready()
+        victim = pool.worker_pids[0]
+        killer = threading.Timer(0.2, os.kill, (victim, signal.SIGKILL))  # like the OOM killer
+        killer.start()
+        batch = pool.score([("q", "r", "g")] * 24)  # ~0.6 s on 2 workers
+        killer.join()
+        assert batch == RewardBatch([1.0] * 24, 0, 0)
+        assert victim not in pool.worker_pids
+
+
+def test_item_that_kills_its_worker_is_retried_once(tmp_path):
+    marker = str(tmp_path / "died")
+    with VerifierPool("tests.unit.test_rewards.die_once_reward", num_workers=2, timeout_s=5.0) as pool:
+        batch = pool.score([(marker, "ok", "g"), (marker, "die", "g"), *[(marker, "ok", "g")] * 10])
+        assert batch == RewardBatch([1.0] * 12, 0, 0)
+        assert Path(marker).exists()
+
+
+def test_item_that_kills_every_worker_raises_and_the_pool_recovers():
+    with VerifierPool(always_die_reward, num_workers=2, timeout_s=5.0) as pool:
+        with pytest.raises(RuntimeError, match="died twice on response 1"):
+            pool.score([("q", "ok", "g"), ("q", "die", "g"), ("q", "ok", "g")])
+        assert pool.score([("q", "ok", "g")] * 3).rewards == [1.0] * 3
+
+
+def test_pool_arguments_are_checked():
+    with pytest.raises(ValueError, match="num_workers must be >= 1"):
+        VerifierPool(math_reward, num_workers=0, timeout_s=1.0)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        VerifierPool(math_reward, num_workers=1, timeout_s=0.0)
+    with pytest.raises(ValueError, match="top-level function"):
+        VerifierPool(lambda p, r, g: 1.0, num_workers=1, timeout_s=1.0)
+    with pytest.raises(ValueError, match="cannot import"):
+        VerifierPool("rlfleet.rewards.nope", num_workers=1, timeout_s=1.0)
+    with pytest.raises(ValueError, match="start_method"):
+        VerifierPool(math_reward, num_workers=1, timeout_s=1.0, start_method="fork")  # type: ignore[arg-type]
+
+
+def test_closed_pool_refuses_work():
+    pool = VerifierPool(math_reward, num_workers=1, timeout_s=1.0)
+    assert pool.score([("q", "#### 1", "1")]).rewards == [1.0]
+    pids = pool.worker_pids
+    pool.close()
+    pool.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # stopped and reaped
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.score([("q", "#### 1", "1")])
+
+
+def test_spawn_start_method():
+    with VerifierPool(math_reward, num_workers=1, timeout_s=TIMEOUT_S, start_method="spawn") as pool:
+        batch = pool.score([("q", "\\boxed{\\frac{3}{4}}", "0.75"), ("q", "\\boxed{9^{9^{9^{9}}}}", "1")])
+    assert batch == RewardBatch([1.0, 0.0], num_timeouts=1, num_errors=0)

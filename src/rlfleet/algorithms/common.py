@@ -51,6 +51,10 @@ def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> Polic
         model.gradient_checkpointing_enable()
     if torch.cuda.is_available():  # single-process GPU run; the Ray layer places multi-GPU workers
         model.to("cuda")
+    if p.optimizer.name not in ("torch.optim.AdamW", "AdamW"):  # the schema admits AdamW only
+        raise ValueError(
+            f"policy.optimizer.name={p.optimizer.name!r} is not supported; use torch.optim.AdamW"
+        )
     o = p.optimizer.kwargs
     settings = OptimizerSettings(
         lr=o.lr,
@@ -170,13 +174,7 @@ def make_context(
         if c.enabled
         else None
     )
-    tb_dir = Path(lg.tensorboard.log_dir) if lg.tensorboard.log_dir else None
-    logger = MetricsLogger(
-        Path(lg.log_dir),
-        tensorboard_enabled=lg.tensorboard_enabled,
-        tensorboard_dir=tb_dir,
-        run_config=cfg.model_dump(mode="json"),
-    )
+    logger = MetricsLogger.from_config(lg, run_config=cfg.model_dump(mode="json"))
     ctx = RunContext(cfg, worker, loader, logger, checkpoints, total_steps=total)
     resume(ctx)
     return ctx
@@ -235,6 +233,24 @@ def run_loop(
 
     Returns the metrics of the last step (validation included when it ran).
     """
+    failed = True
+    try:
+        metrics = _drive(ctx, name, step_fn, validate_fn, val_period, val_at_start, val_at_end)
+        failed = False
+        return metrics
+    finally:
+        ctx.logger.close(failed=failed)
+
+
+def _drive(
+    ctx: RunContext,
+    name: str,
+    step_fn: Callable[[], dict[str, float]],
+    validate_fn: Callable[[], dict[str, float]],
+    val_period: int,
+    val_at_start: bool,
+    val_at_end: bool,
+) -> dict[str, float]:
     if ctx.step >= ctx.total_steps:
         log.info("%s: already complete at step %d/%d; nothing to do", name, ctx.step, ctx.total_steps)
         return ctx.last_metrics

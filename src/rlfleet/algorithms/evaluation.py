@@ -48,7 +48,7 @@ class EvalReport:
                 + (f" (checkpoint {self.checkpoint})" if self.checkpoint else ""),
                 f"prompts      {self.num_prompts} ({mode})",
                 f"pass@1       {self.pass_at_1:.4f}",
-                f"pass@{self.k:<7} {self.pass_at_k:.4f}",
+                *([f"pass@{self.k:<7} {self.pass_at_k:.4f}"] if self.k > 1 else []),
                 f"mean length  {self.mean_response_length:.1f} tokens",
                 f"time         {self.seconds:.1f} s",
             ]

@@ -75,6 +75,7 @@ def loss_from_config(cfg: MasterConfig) -> ClippedPGLossFn:
         eps_high=lf.ratio_clip_max,
         dual_clip_c=lf.ratio_clip_c,
         kl_penalty=lf.reference_policy_kl_penalty,
+        kl_type=lf.reference_policy_kl_type,
         kl_input_clamp=lf.kl_input_clamp_value,
         kl_output_clamp=lf.kl_output_clamp_value,
         token_level=lf.token_level_loss,
@@ -193,18 +194,15 @@ class GRPO:
 
     def train(self) -> dict[str, float]:
         g = self.cfg.grpo
-        try:
-            return run_loop(
-                self.ctx,
-                "grpo",
-                self.step,
-                self.validate,
-                val_period=g.val_period,
-                val_at_start=g.val_at_start,
-                val_at_end=g.val_at_end,
-            )
-        finally:
-            self.ctx.logger.close()
+        return run_loop(
+            self.ctx,
+            "grpo",
+            self.step,
+            self.validate,
+            val_period=g.val_period,
+            val_at_start=g.val_at_start,
+            val_at_end=g.val_at_end,
+        )
 
 
 def grpo_train(cfg: MasterConfig) -> dict[str, float]:

@@ -75,18 +75,15 @@ class SFT:
 
     def train(self) -> dict[str, float]:
         s = self.cfg.sft
-        try:
-            return run_loop(
-                self.ctx,
-                "sft",
-                self.step,
-                self.validate,
-                val_period=s.val_period,
-                val_at_start=s.val_at_start,
-                val_at_end=s.val_at_end,
-            )
-        finally:
-            self.ctx.logger.close()
+        return run_loop(
+            self.ctx,
+            "sft",
+            self.step,
+            self.validate,
+            val_period=s.val_period,
+            val_at_start=s.val_at_start,
+            val_at_end=s.val_at_end,
+        )
 
 
 def sft_train(cfg: MasterConfig) -> dict[str, float]:

@@ -21,6 +21,11 @@ def unsupported_settings(cfg: MasterConfig) -> list[str]:
             "fix: cluster.num_nodes=1 cluster.gpus_per_node=1 (the Ray worker layer lifts this)"
         )
     d = cfg.policy.dtensor_cfg
+    if not d.enabled:
+        problems.append(
+            "policy.dtensor_cfg.enabled: got false, but rlfleet trains with the DTensor/FSDP2 path only "
+            "(there is no Megatron backend); fix: policy.dtensor_cfg.enabled=true"
+        )
     for key, value, default in (
         ("tensor_parallel_size", d.tensor_parallel_size, 1),
         ("cpu_offload", d.cpu_offload, False),

@@ -397,12 +397,21 @@ def _check_batches(cfg: MasterConfig, algorithm: Algorithm) -> list[str]:
 
 def _check_lengths(cfg: MasterConfig) -> list[str]:
     new_tokens, total = cfg.policy.generation.max_new_tokens, cfg.policy.max_total_sequence_length
+    model_len = cfg.policy.generation.vllm_cfg.max_model_len
+    problems = []
+    if cfg.policy.generation.backend == "vllm" and model_len is not None and model_len < total:
+        problems.append(
+            f"policy.generation.vllm_cfg.max_model_len={model_len} is shorter than "
+            f"policy.max_total_sequence_length={total}, so vLLM would cut sequences the trainer expects; "
+            f"fix: policy.generation.vllm_cfg.max_model_len={total} (or null to follow the sequence length)"
+        )
     if new_tokens < total:
-        return []
+        return problems
     return [
+        *problems,
         f"policy.generation.max_new_tokens={new_tokens} must be < policy.max_total_sequence_length={total}, "
         f"since the prompt and the response share that length; fix: lower policy.generation.max_new_tokens "
-        f"(e.g. {max(1, total // 2)}) or raise policy.max_total_sequence_length (e.g. {2 * new_tokens})"
+        f"(e.g. {max(1, total // 2)}) or raise policy.max_total_sequence_length (e.g. {2 * new_tokens})",
     ]
 
 

@@ -222,6 +222,11 @@ def _chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
         yield items[start : start + size]
 
 
+def _error_text(exc: Exception) -> str:
+    """An MLflow error's message with URL credentials masked (MLflow quotes request URLs verbatim)."""
+    return redact_uri(str(getattr(exc, "message", exc)))
+
+
 def _is_local_store(uri: str) -> bool:
     return urlparse(uri).scheme in ("", "file")
 
@@ -258,12 +263,16 @@ class MlflowBackend(MetricsBackend):
             if run_config:
                 self._log_params(scrub_secrets(run_config))
         except MlflowException as exc:
-            raise MetricsBackendError(
+            message = _error_text(exc)
+            error = MetricsBackendError(
                 f"logger.mlflow_enabled: MLflow could not start a run in experiment "
-                f"{cfg.experiment_name!r} at {redact_uri(self.tracking_uri)}: {exc.message}; "
+                f"{cfg.experiment_name!r} at {redact_uri(self.tracking_uri)}: {message}; "
                 "fix: check logger.mlflow.tracking_uri / MLFLOW_TRACKING_URI and the MLFLOW_TRACKING_* "
                 "credentials in the environment, or logger.mlflow_enabled=false"
-            ) from exc
+            )
+            if message != str(exc.message):  # the original names a URL with credentials: do not chain it
+                raise error from None
+            raise error from exc
         self._warned = False
 
     def _experiment_id(self, name: str) -> str:
@@ -290,11 +299,8 @@ class MlflowBackend(MetricsBackend):
                 run = self.client.get_run(run_id)
             except self._error_cls:
                 run = None
-            if (
-                run is not None
-                and run.info.experiment_id == experiment_id
-                and (run.info.lifecycle_stage == "active")
-            ):
+            usable = run is not None and run.info.lifecycle_stage == "active"
+            if usable and run.info.experiment_id == experiment_id:
                 self.client.update_run(run_id, status="RUNNING")
                 _LOG.info("resuming MLflow run %s", run_id)
                 return run_id, True
@@ -345,21 +351,21 @@ class MlflowBackend(MetricsBackend):
                 _LOG.warning(
                     "MLflow logging failed at step %d (further failures are logged at DEBUG): %s",
                     step,
-                    exc.message,
+                    _error_text(exc),
                 )
                 self._warned = True
             else:
-                _LOG.debug("MLflow logging failed at step %d: %s", step, exc.message)
+                _LOG.debug("MLflow logging failed at step %d: %s", step, _error_text(exc))
 
     def truncate_after(self, step: int) -> None:
         """MLflow cannot delete points: tags the run; steps > ``step`` get a second, later point each."""
         try:
             self.client.set_tag(self.run_id, "rlfleet.resumed_from_step", str(step))
         except self._error_cls as exc:
-            _LOG.warning("could not tag MLflow run %s: %s", self.run_id, exc.message)
+            _LOG.warning("could not tag MLflow run %s: %s", self.run_id, _error_text(exc))
 
     def close(self, *, failed: bool = False) -> None:
         try:
             self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
         except self._error_cls as exc:
-            _LOG.warning("could not finish MLflow run %s: %s", self.run_id, exc.message)
+            _LOG.warning("could not finish MLflow run %s: %s", self.run_id, _error_text(exc))

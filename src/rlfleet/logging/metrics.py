@@ -41,20 +41,36 @@ RUN_CONFIG_FILE = "run_config.json"
 MetricValue = float | int | None
 
 SECRET_MASK = "***"
+# A key names a secret when it has one of these words anywhere ...
 _SECRET_WORDS = frozenset(
-    {"token", "key", "apikey", "password", "passwd", "secret", "credential", "credentials"}
+    {"password", "passwd", "passphrase", "secret", "secrets", "credential", "credentials", "apikey"}
+)
+# ... or ends in "token" (not a tokenizer's special token: pad_token, eos_token, ...) ...
+_SPECIAL_TOKEN_ROLES = frozenset({"pad", "eos", "bos", "unk", "sep", "cls", "mask"})
+# ... or ends in "key" after one of these words (so input_key, output_key, num_key_value_heads are kept).
+_SECRET_KEY_KINDS = frozenset(
+    {"api", "access", "private", "auth", "signing", "encryption", "license", "client", "service", "ssh"}
 )
 _URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 
 
 def looks_secret(name: str) -> bool:
-    """Whether a config key names a secret: one of its words is token/key/password/secret/... .
+    """Whether a config key names a secret (password, secret, API key, access token, ...).
 
-    Words are split on non-alphanumerics and camelCase, so ``hf_token``, ``WANDB_API_KEY`` and ``apiKey``
-    match while ``tokenizer`` and ``max_new_tokens`` do not.
+    Words are split on non-alphanumerics and camelCase. ``hf_token``, ``WANDB_API_KEY``, ``apiKey``,
+    ``client_secret`` and ``db_password`` match; the schema's ``token_level_loss``, ``max_new_tokens``,
+    ``data.input_key`` and ``num_key_value_heads`` do not, nor does a tokenizer's ``pad_token``.
     """
     spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()
-    return any(word in _SECRET_WORDS for word in re.split(r"[^a-z0-9]+", spaced))
+    words = [word for word in re.split(r"[^a-z0-9]+", spaced) if word]
+    if not words:
+        return False
+    if any(word in _SECRET_WORDS for word in words):
+        return True
+    previous = words[-2] if len(words) > 1 else ""
+    if words[-1] == "token":
+        return previous not in _SPECIAL_TOKEN_ROLES
+    return words[-1] == "key" and (previous in _SECRET_KEY_KINDS or len(words) == 1)
 
 
 def redact_uri(text: str) -> str:

@@ -7,7 +7,10 @@ package is located with ``importlib.util.find_spec``, never imported.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -44,6 +47,15 @@ def _gguf_kwargs(name_or_path: str, gguf_file: str | None) -> dict[str, str]:
     return {"gguf_file": gguf_file}
 
 
+@contextlib.contextmanager
+def _quiet_gguf(gguf_file: str | None) -> Iterator[None]:
+    if gguf_file is None:
+        yield
+        return
+    with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+        yield
+
+
 def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
     """Loads a tokenizer and makes sure it can pad (pad = eos when the model defines no pad token)."""
     path = resolve_model_path(name_or_path)
@@ -60,9 +72,10 @@ def load_model(name_or_path: str, precision: str, gguf_file: str | None = None) 
     are copied into a model built from the same config: the result saves and checkpoints like any other.
     """
     path = resolve_model_path(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[precision], **_gguf_kwargs(path, gguf_file)
-    )
+    with _quiet_gguf(gguf_file):  # transformers draws a de-quantisation progress bar per load
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[precision], **_gguf_kwargs(path, gguf_file)
+        )
     if gguf_file is not None:
         plain = AutoModelForCausalLM.from_config(model.config, dtype=DTYPES[precision])
         plain.load_state_dict(model.state_dict())

@@ -14,6 +14,8 @@ import torch
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.loss import Normalizer, aggregate, clipped_pg_loss, kl_k3
 
+KL_ESTIMATORS = {"k3": kl_k3}
+
 
 def _required(value: torch.Tensor | None, name: str) -> torch.Tensor:
     if value is None:
@@ -33,6 +35,11 @@ class ClippedPGLossFn:
     kl_output_clamp: float | None
     token_level: bool
     importance_sampling_correction: bool
+    kl_type: str = "k3"
+
+    def __post_init__(self) -> None:
+        if self.kl_type not in KL_ESTIMATORS:
+            raise ValueError(f"unknown KL estimator {self.kl_type!r}; choose one of {sorted(KL_ESTIMATORS)}")
 
     def __call__(
         self, logprobs: torch.Tensor, mb: TrainBatch, norm: Normalizer
@@ -48,7 +55,7 @@ class ClippedPGLossFn:
         kl = torch.zeros_like(logprobs)
         if self.kl_penalty > 0:
             ref = _required(mb.ref_logprobs, "ref_logprobs")
-            kl = kl_k3(logprobs, ref, self.kl_input_clamp, self.kl_output_clamp)
+            kl = KL_ESTIMATORS[self.kl_type](logprobs, ref, self.kl_input_clamp, self.kl_output_clamp)
             per_token = per_token + self.kl_penalty * kl
         loss = aggregate(per_token, mask, norm, self.token_level)
         with torch.no_grad():

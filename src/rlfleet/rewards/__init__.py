@@ -1,28 +1,22 @@
-"""Reward functions: plain ``(prompt, response, gold) -> float`` callables chosen by dotted path."""
+"""Reward functions: plain ``(prompt, response, gold) -> float`` callables chosen by dotted path.
+
+:func:`math_reward` checks a final answer (``#### N``, ``\\boxed{}``, a last number) against the gold, exactly
+for plain numbers and with HF math-verify otherwise; :class:`VerifierPool` runs any reward function over a
+batch in worker processes with a per-response time bound.
+"""
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
+from rlfleet.rewards.loading import RewardFn, load_reward_fn
+from rlfleet.rewards.math import extract_answer, extract_gold, math_reward
+from rlfleet.rewards.pool import RewardBatch, VerifierPool
 
-from rlfleet.rewards.math import extract_answer, math_reward
-
-RewardFn = Callable[[str, str, str], float]
-
-__all__ = ["RewardFn", "extract_answer", "load_reward_fn", "math_reward"]
-
-
-def load_reward_fn(dotted_path: str) -> RewardFn:
-    """Imports ``package.module.function`` and checks it is callable."""
-    module_name, _, attr = dotted_path.rpartition(".")
-    if not module_name:
-        raise ValueError(
-            f"reward function {dotted_path!r} is not a dotted path like 'rlfleet.rewards.math_reward'"
-        )
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import reward function {dotted_path!r}: {exc}") from exc
-    if not callable(fn):
-        raise ValueError(f"reward function {dotted_path!r} is not callable")
-    return fn
+__all__ = [
+    "RewardBatch",
+    "RewardFn",
+    "VerifierPool",
+    "extract_answer",
+    "extract_gold",
+    "load_reward_fn",
+    "math_reward",
+]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -21,7 +22,7 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 _CONFIGS = (LatexExtractionConfig(), ExprExtractionConfig())
 
 
-class VerificationTimeout(BaseException):  # noqa: N818 -- reads better at the raise site than ...Error
+class VerificationTimeout(BaseException):
     """A check ran past its :func:`time_budget`.
 
     A ``BaseException`` so that the ``except Exception`` blocks inside math-verify and sympy let it through.
@@ -42,11 +43,12 @@ def _on_alarm(signum: int, frame: FrameType | None) -> None:
     raise VerificationTimeout("verification ran past its time budget")
 
 
-def _can_arm() -> bool:
+_active = False  # one of our budgets is armed in this process: inner ones defer to it
+
+
+def _usable() -> bool:
     return (
-        hasattr(signal, "setitimer")
-        and threading.current_thread() is threading.main_thread()
-        and signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
+        hasattr(signal, "setitimer") and not _active and threading.current_thread() is threading.main_thread()
     )
 
 
@@ -54,22 +56,31 @@ def _can_arm() -> bool:
 def time_budget(seconds: float | None) -> Iterator[bool]:
     """Raises :class:`VerificationTimeout` inside the block once ``seconds`` of wall-clock time have passed.
 
-    Yields whether the budget is armed. It is not (and the block runs unbounded) when ``seconds`` is None
-    or not positive, off the main thread (signals are delivered to the main thread only), or when an
-    interval timer is already running (an enclosing budget, e.g. a :class:`VerifierPool` worker's, wins).
+    Yields whether the budget is armed. It is not (and the block runs unbounded by it) when ``seconds`` is
+    None or not positive, off the main thread (signals reach the main thread only), inside another
+    ``time_budget`` (the outer one owns the time, e.g. a :class:`VerifierPool` worker's), or when a foreign
+    interval timer (pytest-timeout) fires first anyway. A later foreign timer is suspended meanwhile and
+    re-armed with its remaining time.
     """
-    if seconds is None or seconds <= 0 or not _can_arm():
+    global _active
+    outer = signal.getitimer(signal.ITIMER_REAL)[0] if _usable() else 0.0
+    if seconds is None or seconds <= 0 or not _usable() or 0.0 < outer <= seconds:
         yield False
         return
     previous = signal.signal(signal.SIGALRM, _on_alarm)
+    start = time.monotonic()
     signal.setitimer(signal.ITIMER_REAL, seconds)
+    _active = True
     try:
         yield True
     finally:
         try:
             signal.setitimer(signal.ITIMER_REAL, 0.0)
-        finally:  # the alarm may fire just before it is disarmed: restore the handler regardless
+        finally:  # the alarm may fire just before it is disarmed: restore the rest regardless
+            _active = False
             signal.signal(signal.SIGALRM, previous)
+            if outer:
+                signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 1e-3))
 
 
 def parse_gold(gold: str) -> list[object]:

@@ -1,0 +1,140 @@
+"""No config key is silently ignored: every schema field is read by the component that uses it.
+
+The config handed to each component is wrapped in a recorder that notes the dotted path of every field
+read through it. Validation (``check_config``) runs on the unwrapped config, so a key counts only when
+a component (data, model, generation, loss, optimizer, logging, checkpointing, plan, eval) reads it.
+Scenarios together must read every leaf key of the schema.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+import rlfleet.algorithms.grpo as grpo_module
+import rlfleet.algorithms.sft as sft_module
+from rlfleet.algorithms.evaluation import run_eval
+from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.sft import SFT
+from rlfleet.config import MasterConfig, check_config, load_recipe, resolve_recipe_path, schema_keys
+from rlfleet.plan import make_plan
+from tests.conftest import small_grpo_config
+
+DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"
+
+
+class ReadRecorder:
+    """Forwards attribute reads to a pydantic model and records the dotted path of each field read."""
+
+    def __init__(self, model: BaseModel, seen: set[str], prefix: str = "") -> None:
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_seen", seen)
+        object.__setattr__(self, "_prefix", prefix)
+
+    def __getattr__(self, name: str) -> Any:
+        model = object.__getattribute__(self, "_model")
+        value = getattr(model, name)
+        if name in type(model).model_fields:
+            path = object.__getattribute__(self, "_prefix") + name
+            seen = object.__getattribute__(self, "_seen")
+            seen.add(path)
+            if isinstance(value, BaseModel):
+                return ReadRecorder(value, seen, path + ".")
+        return value
+
+
+def _unwrap_check(cfg: Any, algorithm: str) -> None:
+    check_config(object.__getattribute__(cfg, "_model"), algorithm)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def recorded(monkeypatch) -> set[str]:
+    monkeypatch.setattr(grpo_module, "check_config", _unwrap_check)
+    monkeypatch.setattr(sft_module, "check_config", _unwrap_check)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_CODE", "true")
+    return set()
+
+
+def _gsm8k_files(tmp_path: Path) -> tuple[Path, Path, Path, Path]:
+    rows = [
+        {"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"}
+        for i in range(1, 9)
+    ]
+    train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    for path in (train, val):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompt, system = tmp_path / "prompt.txt", tmp_path / "system.txt"
+    prompt.write_text("Solve: {}")
+    system.write_text("You are careful.")
+    return train, val, prompt, system
+
+
+@pytest.mark.slow
+def test_every_schema_key_is_read_by_some_component(recorded: set[str], tiny_model_dir: Path, tmp_path: Path):
+    one_step = ["grpo.max_num_steps=1", "grpo.max_val_samples=4", DENSE]
+    # A: GRPO on the built-in task with every logging backend and checkpointing on.
+    cfg = small_grpo_config(
+        tiny_model_dir,
+        tmp_path / "a",
+        *one_step,
+        "logger.tensorboard_enabled=true",
+        "logger.wandb_enabled=true",
+        "logger.mlflow_enabled=true",
+        "policy.generation.top_k=50",
+        "policy.dtensor_cfg.activation_checkpointing=true",
+        "loss_fn.use_importance_sampling_correction=true",
+        "loss_fn.ratio_clip_c=3.0",
+        "loss_fn.token_level_loss=false",
+        "grpo.use_leave_one_out_baseline=false",
+        f"logger.tensorboard.log_dir={tmp_path / 'a' / 'tb'}",
+        "data.max_input_seq_length=200",
+    )
+    GRPO(ReadRecorder(cfg, recorded)).train()  # type: ignore[arg-type]
+    # B: SFT.
+    sft_cfg = small_grpo_config(
+        tiny_model_dir, tmp_path / "b", "sft.max_num_steps=1", "sft.max_val_samples=4"
+    )
+    SFT(ReadRecorder(sft_cfg, recorded)).train()  # type: ignore[arg-type]
+    # C: GRPO on a local GSM8k-format file with prompt and system-prompt files, tokenizer named apart.
+    train, val, prompt, system = _gsm8k_files(tmp_path)
+    gsm = small_grpo_config(
+        tiny_model_dir,
+        tmp_path / "c",
+        *one_step,
+        "data.dataset_name=ResponseDataset",
+        f"data.train_data_path={train}",
+        f"data.val_data_path={val}",
+        "data.input_key=question",
+        "data.output_key=answer",
+        "data.train_split=train",
+        "data.val_split=test",
+        "data.subset=main",
+        f"data.prompt_file={prompt}",
+        f"data.system_prompt_file={system}",
+        "data.on_bad_row=skip",
+        f"policy.tokenizer.name={tiny_model_dir}",
+        "checkpointing.enabled=false",
+    )
+    GRPO(ReadRecorder(gsm, recorded)).train()  # type: ignore[arg-type]
+    # D: eval with sampling; E: plan of the seed recipe (architecture, cluster, vLLM sizes).
+    ev = small_grpo_config(
+        tiny_model_dir,
+        tmp_path / "d",
+        "eval.num_tests_per_prompt=2",
+        "eval.pass_k_value=2",
+        "eval.max_val_samples=2",
+        "data.system_prompt=Be brief.",
+    )
+    run_eval(ReadRecorder(ev, recorded))  # type: ignore[arg-type]
+    seed: MasterConfig = load_recipe(resolve_recipe_path("grpo-gemma3-27b-it-2n8g-fsdp2tp8-noncolocated"))
+    make_plan(ReadRecorder(seed, recorded))  # type: ignore[arg-type]
+
+    unread = sorted(set(schema_keys()) - recorded)
+    assert unread == [], f"config keys no component reads (silently ignored): {unread}"

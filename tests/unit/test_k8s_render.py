@@ -1,0 +1,322 @@
+"""`rlfleet k8s render`: the seed's run (gemma3-27b-it + the seed's overrides) on B200 and H200 nodes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rlfleet.config import ConfigError, load_recipe, resolve_recipe_path
+from rlfleet.deploy.cli import add_deploy_commands
+from rlfleet.deploy.gke import GPUS, DeployError, NetworkNames
+from rlfleet.deploy.manifests import RenderedJob, RenderOptions, dump_documents, render_job
+from rlfleet.deploy.validate import pod_templates, validate_documents
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_DIR = Path(os.environ.get("RLFLEET_KUBERAY_CRDS", REPO.parent / "shared" / "schemas" / "kuberay"))
+needs_crds = pytest.mark.skipif(
+    not (CRD_DIR / "ray.io_rayjobs.yaml").is_file(), reason=f"KubeRay CRDs not found in {CRD_DIR}"
+)
+
+GEMMA = "grpo-gemma3-27b-it-2n8g-fsdp2tp8-noncolocated"
+SEED_OVERRIDES = [
+    "cluster.num_nodes=2",
+    "cluster.gpus_per_node=8",
+    "grpo.max_num_steps=300",
+    "checkpointing.checkpoint_dir=/data/nemo_rl_gemma3_27b_3_17",
+    "data.dataset_name=ResponseDataset",
+    "+data.train_data_path=openai/gsm8k",
+    "+data.val_data_path=openai/gsm8k",
+    "+data.val_split=test",
+    "+data.train_split=train",
+    "+data.subset=main",  # the seed's +data.subset="main" after the shell removed the quotes
+    "+data.input_key=question",
+    "+data.output_key=answer",
+    "logger.tensorboard_enabled=False",
+    "logger.wandb_enabled=True",
+    "logger.wandb.name=nemo_rl_gemma3_27b_3_17",
+    "grpo.num_prompts_per_step=16",
+    "grpo.num_generations_per_prompt=64",
+    "policy.generation.colocated.enabled=False",
+    "policy.generation.colocated.resources.num_nodes=1",
+    "policy.generation.colocated.resources.gpus_per_node=8",
+    "policy.generation.vllm_cfg.tensor_parallel_size=8",
+    "policy.generation.vllm_cfg.gpu_memory_utilization=0.9",
+    "policy.dtensor_cfg.tensor_parallel_size=8",
+]
+SECRET_VALUES = {
+    "HF_TOKEN": "hf_SEEKRIT_value_123456",
+    "WANDB_API_KEY": "wandb_SEEKRIT_0123456789abcdef",
+    "RAY_AUTH_TOKEN": "ray_SEEKRIT_deadbeefdeadbeef",
+}
+
+
+def seed_job(gpu: str, **options: Any) -> RenderedJob:
+    return render_job(GEMMA, SEED_OVERRIDES, RenderOptions(gpu=gpu, **options))
+
+
+def by_kind(job: RenderedJob, kind: str) -> list[dict[str, Any]]:
+    return [d for d in job.documents if d["kind"] == kind]
+
+
+def worker_group(job: RenderedJob) -> dict[str, Any]:
+    (rayjob,) = by_kind(job, "RayJob")
+    (group,) = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    return group
+
+
+def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container["env"]}
+
+
+@pytest.fixture(params=sorted(GPUS))
+def gpu(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_network_objects_match_the_seed_mapping(gpu: str) -> None:
+    job = seed_job(gpu, network_prefix="myproj")
+    params = {d["metadata"]["name"]: d["spec"] for d in by_kind(job, "GKENetworkParamSet")}
+    networks = {d["metadata"]["name"]: d["spec"] for d in by_kind(job, "Network")}
+    expected = ["gvnic-1", *(f"rdma-{i}" for i in range(8))]
+    assert sorted(params) == sorted(networks) == sorted(expected)
+    names = NetworkNames("myproj")
+    assert params["gvnic-1"] == {
+        "vpc": names.gvnic_vpc,
+        "vpcSubnet": names.gvnic_subnet,
+        "deviceMode": "NetDevice",
+    }
+    for i in range(8):
+        assert params[f"rdma-{i}"] == {
+            "vpc": names.rdma_vpc,
+            "vpcSubnet": names.rdma_subnet(i),
+            "deviceMode": "RDMA",
+        }
+    for name, spec in networks.items():
+        assert spec == {
+            "type": "Device",
+            "parametersRef": {"group": "networking.gke.io", "kind": "GKENetworkParamSet", "name": name},
+        }
+    assert all(d["apiVersion"] == "networking.gke.io/v1" for d in job.documents[:18])
+
+
+def test_worker_group_is_sized_by_the_recipe(gpu: str) -> None:
+    job = seed_job(gpu)
+    group = worker_group(job)
+    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 2  # cluster.num_nodes
+    (container,) = group["template"]["spec"]["containers"]
+    for amounts in container["resources"].values():
+        assert amounts["nvidia.com/gpu"] == 8
+    spec = group["template"]["spec"]
+    assert spec["nodeSelector"] == {"cloud.google.com/gke-accelerator": GPUS[gpu].accelerator}
+    assert GPUS["b200"].accelerator == "nvidia-b200" and GPUS["h200"].accelerator == "nvidia-h200-141gb"
+    keys = {t["key"] for t in spec["tolerations"]}
+    assert keys == {"nvidia.com/gpu", "cloud.google.com/gke-spot"}
+    head = by_kind(job, "RayJob")[0]["spec"]["rayClusterSpec"]["headGroupSpec"]
+    (head_container,) = head["template"]["spec"]["containers"]
+    assert "nvidia.com/gpu" not in head_container["resources"]["limits"]  # CPU head
+    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+
+
+def test_gpu_pods_get_multi_networking_and_gib_nccl(gpu: str) -> None:
+    template = worker_group(seed_job(gpu))["template"]
+    notes = template["metadata"]["annotations"]
+    assert notes["networking.gke.io/default-interface"] == "eth0"
+    interfaces = json.loads(notes["networking.gke.io/interfaces"])
+    assert interfaces[0] == {"interfaceName": "eth0", "network": "default"}
+    assert interfaces[1] == {"interfaceName": "eth1", "network": "gvnic-1"}
+    assert interfaces[2:] == [{"interfaceName": f"eth{i + 2}", "network": f"rdma-{i}"} for i in range(8)]
+    (container,) = template["spec"]["containers"]
+    env = {k: v.get("value") for k, v in env_of(container).items()}
+    tuner = {"b200": "tuner_config_a4.txtpb", "h200": "tuner_config_a3u.txtpb"}[gpu]
+    assert env["NCCL_TUNER_CONFIG_PATH"] == f"/usr/local/gib/configs/{tuner}"
+    expected = {
+        "NCCL_NET": "gIB",
+        "NCCL_IB_GID_INDEX": "3",
+        "NCCL_CROSS_NIC": "0",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "NCCL_NET_GDR_LEVEL": "PIX",
+        "LD_LIBRARY_PATH": "/usr/local/nvidia/lib64",
+    }
+    assert expected.items() <= env.items()
+    assert "source /usr/local/gib/scripts/set_nccl_env.sh" in container["args"][0]
+
+
+def test_volumes_service_account_and_shm(gpu: str) -> None:
+    job = seed_job(gpu, lustre_pvc="my-lustre", service_account="my-ksa", bucket="my-bucket")
+    for where, template in pod_templates(by_kind(job, "RayJob")[0]):
+        if where == "submitter":
+            continue
+        spec = template["spec"]
+        assert spec["serviceAccountName"] == "my-ksa"
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
+        assert volumes[mounts["/data"]]["persistentVolumeClaim"] == {"claimName": "my-lustre"}
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+        assert volumes[mounts["/gcs"]]["csi"]["volumeAttributes"]["bucketName"] == "my-bucket"
+        assert template["metadata"]["annotations"]["gke-gcsfuse/volumes"] == "true"
+        if where.startswith("worker"):
+            assert volumes[mounts["/usr/local/nvidia"]]["hostPath"]["path"] == "/home/kubernetes/bin/nvidia"
+            assert volumes[mounts["/usr/local/gib"]]["hostPath"]["path"] == "/home/kubernetes/bin/gib"
+
+
+def test_rayjob_retries_and_resumes_from_data(gpu: str) -> None:
+    job = seed_job(gpu)
+    (rayjob,) = by_kind(job, "RayJob")
+    spec = rayjob["spec"]
+    assert spec["backoffLimit"] > 0
+    assert spec["shutdownAfterJobFinishes"] is True
+    assert spec["ttlSecondsAfterFinished"] > 0
+    args = shlex.split(spec["entrypoint"])
+    assert args[:3] == ["rlfleet", "grpo", "/etc/rlfleet/recipe.yaml"]
+    assert "checkpointing.checkpoint_dir=/data/nemo_rl_gemma3_27b_3_17" in args
+    assert sum(a.startswith("checkpointing.checkpoint_dir=") for a in args) == 1
+    assert rayjob["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+
+
+def test_no_git_pull_sed_or_kubectl_exec_anywhere(gpu: str) -> None:
+    for options in ({}, {"cluster_only": True}):
+        text = dump_documents(seed_job(gpu, **options).documents)
+        for bad in ("git pull", "git checkout", "sed -i", "sed ", "kubectl exec", "pip install"):
+            assert bad not in text
+
+
+def test_recipe_travels_in_a_configmap_and_round_trips(tmp_path: Path) -> None:
+    job = seed_job("b200")
+    (configmap,) = by_kind(job, "ConfigMap")
+    head = by_kind(job, "RayJob")[0]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    (recipe_volume,) = [v for v in head["volumes"] if "configMap" in v]
+    assert recipe_volume["configMap"]["name"] == configmap["metadata"]["name"]
+    copy = tmp_path / "recipe.yaml"
+    copy.write_text(configmap["data"]["recipe.yaml"])
+    args = shlex.split(job.entrypoint)
+    in_pod = load_recipe(copy, args[3:])
+    here = load_recipe(resolve_recipe_path(GEMMA), [*SEED_OVERRIDES, f"logger.log_dir={job.log_dir}"])
+    assert in_pod == here
+    assert in_pod.cluster.num_nodes == 2 and in_pod.data.subset == "main"
+
+
+def test_secrets_are_references_only(gpu: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in SECRET_VALUES.items():
+        monkeypatch.setenv(key, value)
+    for options in ({}, {"cluster_only": True}):
+        job = seed_job(gpu, **options)
+        text = dump_documents(job.documents)
+        assert not [v for v in SECRET_VALUES.values() if v in text]
+        ray = next(d for d in job.documents if d["kind"] in ("RayJob", "RayCluster"))
+        for _, template in pod_templates(ray):
+            for container in template["spec"]["containers"]:
+                env = env_of(container)
+                assert env["RAY_AUTH_MODE"]["value"] == "token"
+                for key in set(SECRET_VALUES) & set(env):
+                    assert "value" not in env[key]
+                    assert env[key]["valueFrom"]["secretKeyRef"] == {"name": "rlfleet-secrets", "key": key}
+        head = ray["spec"].get("rayClusterSpec", ray["spec"])["headGroupSpec"]["template"]["spec"]
+        assert {"HF_TOKEN", "WANDB_API_KEY", "RAY_AUTH_TOKEN"} <= set(env_of(head["containers"][0]))
+
+
+@needs_crds
+@pytest.mark.parametrize("cluster_only", [False, True])
+def test_manifests_validate_offline(gpu: str, cluster_only: bool) -> None:
+    job = seed_job(gpu, cluster_only=cluster_only, bucket="b", spot=True)
+    kinds = [d["kind"] for d in job.documents]
+    assert ("RayCluster" in kinds) == cluster_only and ("RayJob" in kinds) != cluster_only
+    assert validate_documents(job.documents, CRD_DIR) == []
+    reloaded = list(yaml.safe_load_all(dump_documents(job.documents, ["a header"])))
+    assert reloaded == job.documents
+
+
+@needs_crds
+def test_validation_catches_what_an_api_server_would_prune_or_reject() -> None:
+    job = seed_job("h200")
+    rayjob = by_kind(job, "RayJob")[0]
+    group = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    del group["minReplicas"]
+    container = group["template"]["spec"]["containers"][0]
+    container["volumeMount"] = container.pop("volumeMounts")
+    container["env"].append({"name": "HF_TOKEN", "value": "literal"})
+    problems = "\n".join(validate_documents([rayjob], CRD_DIR))
+    assert "'minReplicas' is a required property" in problems
+    assert "'volumeMount' was unexpected" in problems
+    assert "HF_TOKEN has a literal value" in problems
+
+
+@pytest.mark.parametrize(
+    "image", ["ghcr.io/rlfleet/rlfleet", "ghcr.io/rlfleet/rlfleet:latest", "localhost:5000/rlfleet"]
+)
+def test_unpinned_images_are_refused(image: str) -> None:
+    with pytest.raises(DeployError, match="pin it"):
+        seed_job("b200", image=image)
+
+
+def test_pinned_images_are_accepted() -> None:
+    for image in ("localhost:5000/rlfleet:0.1.0", "ghcr.io/x/rlfleet@sha256:" + "a" * 64):
+        worker = worker_group(seed_job("b200", image=image))["template"]["spec"]["containers"][0]
+        assert worker["image"] == image
+
+
+def test_recipe_must_use_all_eight_gpus_of_a_node() -> None:
+    with pytest.raises(DeployError, match=r"cluster.gpus_per_node=4.*cluster.gpus_per_node=8"):
+        render_job(GEMMA, [*SEED_OVERRIDES, "cluster.gpus_per_node=4"], RenderOptions(gpu="h200"))
+
+
+def test_replicas_follow_num_nodes() -> None:
+    overrides = [*SEED_OVERRIDES, "cluster.num_nodes=5"]  # 1 generation node + 4 training nodes (DP 4)
+    job = render_job(GEMMA, overrides, RenderOptions(gpu="b200"))
+    assert worker_group(job)["replicas"] == 5
+
+
+def test_local_paths_move_to_the_shared_volume() -> None:
+    overrides = [*SEED_OVERRIDES, "checkpointing.checkpoint_dir=results/ckpt", "logger.log_dir=logs"]
+    job = render_job(GEMMA, overrides, RenderOptions(gpu="b200", name="tiny"))
+    assert job.checkpoint_dir == "/data/checkpoints/tiny" and job.log_dir == "/data/logs/tiny"
+    args = shlex.split(job.entrypoint)
+    assert "checkpointing.checkpoint_dir=results/ckpt" not in args
+    assert args[-2:] == [
+        "checkpointing.checkpoint_dir=/data/checkpoints/tiny",
+        "logger.log_dir=/data/logs/tiny",
+    ]
+    assert any("not on the shared volume" in n for n in job.notes)
+
+
+def test_bad_inputs_fail_loudly() -> None:
+    with pytest.raises(DeployError, match="DNS-1035"):
+        seed_job("b200", name="Bad_Name")
+    with pytest.raises(DeployError, match="at most 47"):
+        seed_job("b200", name="a" * 48)
+    with pytest.raises(DeployError, match="put those settings in the recipe"):
+        render_job(GEMMA, [*SEED_OVERRIDES, "logger.wandb.name=two words"], RenderOptions(gpu="b200"))
+    with pytest.raises(ConfigError):
+        render_job(GEMMA, [*SEED_OVERRIDES, "grpo.not_a_key=1"], RenderOptions(gpu="b200"))
+    with pytest.raises(DeployError, match="use one of"):
+        render_job(GEMMA, SEED_OVERRIDES, RenderOptions(gpu="a100"))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlfleet")
+    add_deploy_commands(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def test_cli_render_then_validate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "job.yaml"
+    args = _parser().parse_args(
+        ["k8s", "render", GEMMA, *SEED_OVERRIDES, "--gpu", "h200", "--output", str(out)]
+    )
+    assert args.func(args) == 0
+    docs = list(yaml.safe_load_all(out.read_text()))
+    assert docs[-1]["kind"] == "RayJob" and len(docs) == 20
+    assert "this rlfleet build cannot run yet" in capsys.readouterr().err
+    if (CRD_DIR / "ray.io_rayjobs.yaml").is_file():
+        args = _parser().parse_args(["k8s", "validate", str(out), "--crd-dir", str(CRD_DIR)])
+        assert args.func(args) == 0
+    args = _parser().parse_args(["k8s", "render", GEMMA, "--gpu", "b200", "--image", "x/y:latest"])
+    assert args.func(args) == 2
+    assert "pin it" in capsys.readouterr().err
