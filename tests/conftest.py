@@ -57,6 +57,7 @@ def small_grpo_overrides(model_dir: Path, run_dir: Path) -> list[str]:
         "data.arithmetic.num_val=8",
         "checkpointing.save_period=2",
         "checkpointing.keep_top_k=null",
+        "env.math.num_workers=1",
     ]
 
 

@@ -263,10 +263,13 @@ def test_pool_matches_in_process(math_pool):
 @pytest.mark.parametrize("name", HOSTILE)
 def test_hostile_input_in_pool_is_bounded_and_counted(math_pool, name):
     response, gold, times_out = HOSTILE[name]
+    math_pool.wait_ready()
+    workers = math_pool.worker_pids
     start = time.perf_counter()
     batch = math_pool.score([("q", response, gold), ("q", "#### 5", "5")])
     assert time.perf_counter() - start < 3 * TIMEOUT_S
     assert batch == RewardBatch([0.0, 1.0], num_timeouts=int(times_out), num_errors=0)
+    assert math_pool.worker_pids == workers  # the in-worker budget stopped it: no kill, no restart
 
 
 def test_hostile_batch_in_pool(math_pool):

@@ -28,7 +28,7 @@ from rlfleet.generation import GenerationBackend, HFGenerationBackend, SamplingP
 from rlfleet.logging import MetricsLogger, Progress, format_step_line, plot_run
 from rlfleet.models.loading import load_model, load_tokenizer
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
-from rlfleet.rewards import RewardFn
+from rlfleet.rewards import VerifierPool
 
 log = logging.getLogger("rlfleet")
 
@@ -48,7 +48,7 @@ def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> Polic
         tokenizer = load_tokenizer(p.model_name, p.gguf_file)
     model = load_model(p.model_name, p.precision, p.gguf_file)
     if p.dtensor_cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable()
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     if torch.cuda.is_available():  # single-process GPU run; the Ray layer places multi-GPU workers
         model.to("cuda")
     if p.optimizer.name not in ("torch.optim.AdamW", "AdamW"):  # the schema admits AdamW only
@@ -115,17 +115,24 @@ class EvalResult:
         }
 
 
+def build_verifier(cfg: MasterConfig) -> VerifierPool:
+    """The reward workers: ``env.math.num_workers`` processes, each response bounded by ``timeout_s``."""
+    m = cfg.env.math
+    return VerifierPool(m.reward_fn, m.num_workers, m.timeout_s)
+
+
 def evaluate(
     backend: GenerationBackend,
     prompts: Sequence[Prompt],
-    reward_fn: RewardFn,
+    verifier: VerifierPool,
     params: SamplingParams,
     seed: int,
     num_samples_to_keep: int = 4,
 ) -> EvalResult:
     """Generates one response per prompt and scores it: accuracy = mean reward."""
     results = backend.generate([p.token_ids for p in prompts], params, seed)
-    rewards = [reward_fn(p.text, r.text, p.example.gold) for p, r in zip(prompts, results, strict=True)]
+    batch = verifier.score([(p.text, r.text, p.example.gold) for p, r in zip(prompts, results, strict=True)])
+    rewards = batch.rewards
     samples = [
         {"prompt": p.example.question, "response": r.text, "gold": p.example.gold, "reward": s}
         for p, r, s in list(zip(prompts, results, rewards, strict=True))[:num_samples_to_keep]
@@ -146,6 +153,7 @@ class RunContext:
     loader: ResumableLoader[Any]
     logger: MetricsLogger
     checkpoints: CheckpointManager | None
+    verifier: VerifierPool
     total_steps: int
     step: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
@@ -158,6 +166,7 @@ class RunContext:
 def make_context(
     cfg: MasterConfig,
     worker: PolicyWorker,
+    verifier: VerifierPool,
     items: Sequence[Any],
     batch_size: int,
     *,
@@ -175,7 +184,7 @@ def make_context(
         else None
     )
     logger = MetricsLogger.from_config(lg, run_config=cfg.model_dump(mode="json"))
-    ctx = RunContext(cfg, worker, loader, logger, checkpoints, total_steps=total)
+    ctx = RunContext(cfg, worker, loader, logger, checkpoints, verifier, total_steps=total)
     resume(ctx)
     return ctx
 
@@ -239,6 +248,7 @@ def run_loop(
         failed = False
         return metrics
     finally:
+        ctx.verifier.close()
         ctx.logger.close(failed=failed)
 
 

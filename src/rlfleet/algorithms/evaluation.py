@@ -8,11 +8,10 @@ from dataclasses import asdict, dataclass
 from math import comb
 from pathlib import Path
 
-from rlfleet.algorithms.common import build_backend, build_worker, load_prompts
+from rlfleet.algorithms.common import build_backend, build_verifier, build_worker, load_prompts
 from rlfleet.checkpoint import load_policy
 from rlfleet.config import MasterConfig
 from rlfleet.generation import SamplingParams
-from rlfleet.rewards import load_reward_fn
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -63,13 +62,14 @@ def run_eval(cfg: MasterConfig, checkpoint: Path | None = None) -> EvalReport:
     if checkpoint is not None:
         load_policy(checkpoint, worker.model)
     backend = build_backend(cfg, worker)
-    reward_fn = load_reward_fn(cfg.env.math.reward_fn)
     prompts = load_prompts(cfg, worker.tokenizer, e.max_val_samples or 10**9).val
     n, greedy = e.num_tests_per_prompt, e.num_tests_per_prompt == 1
     params = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k, greedy=greedy)
     repeated = [p for p in prompts for _ in range(n)]
     results = backend.generate([p.token_ids for p in repeated], params, seed=e.seed)
-    rewards = [reward_fn(p.text, r.text, p.example.gold) for p, r in zip(repeated, results, strict=True)]
+    with build_verifier(cfg) as verifier:
+        items = [(p.text, r.text, p.example.gold) for p, r in zip(repeated, results, strict=True)]
+        rewards = verifier.score(items).rewards
     correct = [sum(1 for x in rewards[i * n : (i + 1) * n] if x > 0.5) for i in range(len(prompts))]
     count = max(len(prompts), 1)
     return EvalReport(

@@ -20,6 +20,7 @@ from rlfleet.algorithms.advantages import group_advantages, zero_variance_fracti
 from rlfleet.algorithms.common import (
     RunContext,
     build_backend,
+    build_verifier,
     build_worker,
     evaluate,
     load_prompts,
@@ -32,7 +33,7 @@ from rlfleet.data import Prompt
 from rlfleet.generation import GenerationBackend, GenerationResult, SamplingParams
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
-from rlfleet.rewards import RewardFn, load_reward_fn
+from rlfleet.rewards import RewardBatch, VerifierPool
 from rlfleet.utils.timing import PhaseTimer
 
 
@@ -54,8 +55,13 @@ def generate_rollouts(
     return list(zip(repeated, results, strict=True))
 
 
-def score(pairs: Sequence[tuple[Prompt, GenerationResult]], reward_fn: RewardFn) -> list[Rollout]:
-    return [Rollout(p, r, float(reward_fn(p.text, r.text, p.example.gold))) for p, r in pairs]
+def score(
+    pairs: Sequence[tuple[Prompt, GenerationResult]], verifier: VerifierPool
+) -> tuple[list[Rollout], RewardBatch]:
+    """Rewards every response with the verifier pool (bounded time per response)."""
+    batch = verifier.score([(p.text, r.text, p.example.gold) for p, r in pairs])
+    rollouts = [Rollout(p, r, float(x)) for (p, r), x in zip(pairs, batch.rewards, strict=True)]
+    return rollouts, batch
 
 
 def rollout_batch(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_token_id: int) -> TrainBatch:
@@ -102,7 +108,6 @@ class GRPO:
         check_config(cfg, "grpo")
         ensure_runnable(cfg)
         self.cfg = cfg
-        self.reward_fn = load_reward_fn(cfg.env.math.reward_fn)
         self.loss_fn = loss_from_config(cfg)
         worker = build_worker(
             cfg, seed=cfg.grpo.seed, keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0
@@ -113,6 +118,7 @@ class GRPO:
         self.ctx: RunContext = make_context(
             cfg,
             worker,
+            build_verifier(cfg),
             self.data.train,
             g.num_prompts_per_step,
             seed=g.seed,
@@ -135,7 +141,7 @@ class GRPO:
                 step_seed(g.seed, ctx.step),
             )
         with timer("reward"):
-            rollouts = score(pairs, self.reward_fn)
+            rollouts, scored = score(pairs, self.ctx.verifier)
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
         advantages = group_advantages(
             rewards,
@@ -164,6 +170,8 @@ class GRPO:
         mismatch = (prev - batch.generation_logprobs).abs() * batch.response_mask
         metrics = rollout_metrics(rollouts, rewards, g.num_generations_per_prompt)
         metrics.update({f"train/{k}": v for k, v in train.items()})
+        metrics["train/reward_timeouts"] = scored.num_timeouts
+        metrics["train/reward_errors"] = scored.num_errors
         metrics["train/gen_logprob_error"] = float(mismatch.sum() / batch.response_mask.sum())
         self._log_samples(rollouts)
         return {**metrics, **timer.metrics()}
@@ -188,7 +196,7 @@ class GRPO:
             gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k, greedy=g.val_greedy
         )
         result = evaluate(
-            self.backend, self.data.val, self.reward_fn, params, step_seed(g.seed, self.ctx.step, salt=1)
+            self.backend, self.data.val, self.ctx.verifier, params, step_seed(g.seed, self.ctx.step, salt=1)
         )
         return result.metrics("val")
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from rlfleet.algorithms.common import (
     RunContext,
     build_backend,
+    build_verifier,
     build_worker,
     evaluate,
     load_prompts,
@@ -24,7 +25,6 @@ from rlfleet.data import Prompt, response_target
 from rlfleet.generation import SamplingParams
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import NLLLossFn
-from rlfleet.rewards import load_reward_fn
 from rlfleet.utils.timing import PhaseTimer
 
 
@@ -41,7 +41,6 @@ class SFT:
         check_config(cfg, "sft")
         ensure_runnable(cfg)
         self.cfg = cfg
-        self.reward_fn = load_reward_fn(cfg.env.math.reward_fn)
         self.loss_fn = NLLLossFn(token_level=cfg.loss_fn.token_level_loss)
         worker = build_worker(cfg, seed=cfg.sft.seed, keep_reference=False)
         self.backend = build_backend(cfg, worker)
@@ -50,6 +49,7 @@ class SFT:
         self.ctx: RunContext = make_context(
             cfg,
             worker,
+            build_verifier(cfg),
             self.data.train,
             cfg.policy.train_global_batch_size,
             seed=s.seed,
@@ -71,7 +71,7 @@ class SFT:
     def validate(self) -> dict[str, float]:
         params = SamplingParams(self.cfg.policy.generation.max_new_tokens, greedy=True)
         seed = step_seed(self.cfg.sft.seed, self.ctx.step, salt=1)
-        return evaluate(self.backend, self.data.val, self.reward_fn, params, seed).metrics("val")
+        return evaluate(self.backend, self.data.val, self.ctx.verifier, params, seed).metrics("val")
 
     def train(self) -> dict[str, float]:
         s = self.cfg.sft

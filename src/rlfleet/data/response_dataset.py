@@ -8,7 +8,6 @@ from it: the number after the last ``####`` (thousands commas removed), else the
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -17,6 +16,7 @@ from rlfleet.config.schema import DataConfig
 from rlfleet.data.errors import DataError
 from rlfleet.data.sources import read_rows
 from rlfleet.data.types import Example
+from rlfleet.rewards.math import extract_gold
 
 RESPONSE_DEFAULTS: dict[str, str] = {
     "train_split": "train",
@@ -31,7 +31,6 @@ GSM8K_DEFAULTS: dict[str, str] = {
     "subset": "main",
 }
 MAX_BAD_ROW_SAMPLES = 5
-_HASHES_NUMBER = re.compile(r"\$?\s*(-?\d[\d,]*(?:\.\d+)?|-?\.\d+)(?!\s*/)")
 _BOXED = "\\boxed{"
 
 
@@ -187,34 +186,9 @@ def _parse_row(value: object, input_key: str, output_key: str) -> Example:
 
 
 def _extract_gold(output: str) -> str | None:
-    """The final answer of a worked solution, or None when it is empty.
-
-    The number after the last ``####`` with thousands commas removed (``#### 1,080`` -> ``1080``; a
-    non-numeric answer there, such as ``3/4`` or ``B``, is kept as written), else the content of the last
-    ``\\boxed{...}`` (braces matched; None when unbalanced), else the whole stripped output.
-    """
-    text = output.strip()
-    if "####" in text:
-        tail = text.rpartition("####")[2].strip()
-        first_line = tail.splitlines()[0].strip() if tail else ""
-        number = _HASHES_NUMBER.match(first_line)
-        gold = number.group(1).replace(",", "") if number else first_line
-    elif _BOXED in text:
-        gold = _last_boxed(text)
-    else:
-        gold = text
-    return gold.strip() if gold and gold.strip() else None
-
-
-def _last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}``, nested braces included; None when its braces do not close."""
-    start = text.rfind(_BOXED) + len(_BOXED)
-    depth = 1
-    for index in range(start, len(text)):
-        if text[index] == "{":
-            depth += 1
-        elif text[index] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:index]
-    return None
+    """The gold answer of a dataset row: ``rewards.extract_gold`` (``#### N`` or ``\\boxed{}``), else, when
+    the output has neither marker, the whole stripped output (a bare answer column such as ``"72"``)."""
+    gold = extract_gold(output)
+    if gold is None and "####" not in output and _BOXED not in output:
+        gold = output.strip() or None
+    return gold

@@ -361,7 +361,7 @@ class VerifierPool:
                 "env.math.num_workers or check the reward function on this response"
             )
         batch.retried.add(in_flight[0])
-        pass
+        batch.requeue(in_flight)
 
     def _expire(self, batch: _Batch) -> None:
         now = time.monotonic()

@@ -1,0 +1,117 @@
+"""Preemption, end to end: SIGKILL the training process between and during steps, start the same command
+again, and end with the weights and metrics of an uninterrupted run (what a KubeRay retry does)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlfleet.checkpoint import load_model_state_dict
+from rlfleet.logging import read_metrics
+from tests.conftest import small_grpo_overrides
+
+DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"
+ROOT = Path(__file__).resolve().parents[2]
+# 8 training prompts at 4 per step: 2 steps per epoch; 2 epochs = 4 steps; checkpoints at 2 and 4.
+EXTRA = [
+    "data.arithmetic.num_train=8",
+    "grpo.max_num_epochs=2",
+    "grpo.max_num_steps=100",
+    DENSE,
+    "grpo.val_period=0",
+    "grpo.val_at_start=false",
+]
+
+
+def command(model: Path, run: Path) -> list[str]:
+    overrides = [*small_grpo_overrides(model, run), *EXTRA]
+    return [sys.executable, "-m", "rlfleet.cli", "grpo", "grpo-tiny-arithmetic-cpu", *overrides]
+
+
+def run_to_end(model: Path, run: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(command(model, run), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def run_and_kill(model: Path, run: Path, after: Path, delay: float) -> None:
+    """Starts the run, waits until ``after`` exists (+ ``delay`` s), then SIGKILLs it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        command(model, run), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 300
+    try:
+        while not after.exists():
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline, f"{after} never appeared"
+            time.sleep(0.05)
+        time.sleep(delay)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def comparable(run: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in read_metrics(run / "logs")]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("uninterrupted")
+    result = run_to_end(tiny_model_dir, run)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return run
+
+
+def assert_same_as(reference: Path, run: Path) -> None:
+    assert comparable(run) == comparable(reference)
+    want = load_model_state_dict(reference / "ckpt" / "step_4")
+    got = load_model_state_dict(run / "ckpt" / "step_4")
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 0.4, 1.2], ids=["between-steps", "early-in-step", "late-in-step"])
+def test_sigkill_then_rerun_matches_uninterrupted(
+    reference: Path, tiny_model_dir: Path, tmp_path: Path, delay
+):
+    run_and_kill(tiny_model_dir, tmp_path, tmp_path / "ckpt" / "step_2" / "training_info.json", delay)
+    assert not (tmp_path / "ckpt" / "step_4").exists() or delay > 0
+    result = run_to_end(tiny_model_dir, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resumed from" in result.stderr
+    assert_same_as(reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_resume_at_epoch_boundary_continues_into_next_epoch(reference: Path, tiny_model_dir: Path, tmp_path):
+    run_and_kill(tiny_model_dir, tmp_path, tmp_path / "ckpt" / "step_2" / "training_info.json", 0.0)
+    info = tmp_path / "ckpt" / "step_2" / "train_dataloader.pt"
+    state = torch.load(info, weights_only=True)
+    assert (state["epoch"], state["batch_in_epoch"]) == (0, 2)  # the first epoch is exactly used up
+    result = run_to_end(tiny_model_dir, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    steps = [r["step"] for r in read_metrics(tmp_path / "logs")]
+    assert steps == [1, 2, 3, 4]  # two more steps, in the second epoch
+    final = torch.load(tmp_path / "ckpt" / "step_4" / "train_dataloader.pt", weights_only=True)
+    assert (final["epoch"], final["batch_in_epoch"]) == (1, 2)
+    assert_same_as(reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_rerunning_a_complete_run_exits_zero_without_training(reference: Path, tiny_model_dir: Path):
+    before = comparable(reference)
+    mtime = (reference / "ckpt" / "step_4" / "training_info.json").stat().st_mtime
+    result = run_to_end(tiny_model_dir, reference)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "already complete" in result.stderr
+    assert comparable(reference) == before
+    assert (reference / "ckpt" / "step_4" / "training_info.json").stat().st_mtime == mtime
