@@ -41,6 +41,10 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
 def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> PolicyWorker:
     """Loads the policy named by ``policy.model_name`` into a worker with its optimizer."""
     p = cfg.policy
+    if p.optimizer.name not in ("torch.optim.AdamW", "AdamW"):  # the schema admits AdamW only
+        raise ValueError(
+            f"policy.optimizer.name={p.optimizer.name!r} is not supported; use torch.optim.AdamW"
+        )
     torch.manual_seed(seed)
     if p.tokenizer.name:
         tokenizer = load_tokenizer(p.tokenizer.name)
@@ -51,10 +55,6 @@ def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> Polic
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     if torch.cuda.is_available():  # single-process GPU run; the Ray layer places multi-GPU workers
         model.to("cuda")
-    if p.optimizer.name not in ("torch.optim.AdamW", "AdamW"):  # the schema admits AdamW only
-        raise ValueError(
-            f"policy.optimizer.name={p.optimizer.name!r} is not supported; use torch.optim.AdamW"
-        )
     o = p.optimizer.kwargs
     settings = OptimizerSettings(
         lr=o.lr,
