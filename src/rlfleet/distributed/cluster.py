@@ -1,0 +1,127 @@
+"""Connecting to (or starting) a Ray cluster and reserving one placement group per node.
+
+The layout is NeMo RL's: a node's workers share a ``STRICT_PACK`` placement group with one bundle per GPU
+(CPU-only: one ``{"CPU": 1}`` bundle per worker process). Reserving never hangs: a layout the cluster cannot
+hold raises ``ClusterCapacityError`` within the timeout, after removing what it reserved.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+logger = logging.getLogger(__name__)
+
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
+_REPORTED = ("CPU", "GPU", "memory")
+
+
+class ClusterCapacityError(RuntimeError):
+    """The Ray cluster cannot hold the requested placement groups."""
+
+
+class ClusterConnectionError(ConnectionError):
+    """The Ray cluster at the given address could not be reached."""
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """Fails fast when ``host:port`` does not accept connections (``auto`` and ``ray://`` pass through)."""
+    if address == "auto" or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ClusterConnectionError(
+            f"cannot reach the Ray cluster at {address!r} within {timeout_s:.0f}s ({exc}); "
+            f"check that the head node is up, or unset {RAY_ADDRESS_ENV} to start a local cluster"
+        ) from exc
+
+
+def connect_or_start(address: str | None, num_cpus: int | None, timeout_s: float) -> None:
+    """Connects to an existing Ray cluster, or starts a local one.
+
+    Args:
+        address: The cluster's address; when None, ``RAY_ADDRESS`` is used (as set on KubeRay pods), and
+            when that is unset too, a local cluster is started.
+        num_cpus: CPUs a *local* cluster advertises (None: all of the machine's); ignored when connecting.
+        timeout_s: How long to wait for a ``host:port`` address to accept connections.
+
+    Does nothing when Ray is already initialised in this process.
+    """
+    if ray.is_initialized():
+        return
+    target = address or os.environ.get(RAY_ADDRESS_ENV) or None
+    if target is None:
+        logger.info("starting a local Ray cluster (num_cpus=%s)", num_cpus)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        return
+    _check_reachable(target, timeout_s)
+    logger.info("connecting to the Ray cluster at %s", target)
+    ray.init(address=target, log_to_driver=True)
+
+
+def bundle_resources(use_gpus: bool) -> dict[str, float]:
+    """The resources one worker process reserves: a GPU and a CPU, or one CPU."""
+    return {"GPU": 1.0, "CPU": 1.0} if use_gpus else {"CPU": 1.0}
+
+
+def _capacity_message(num_nodes: int, bundles_per_node: int, resources: dict[str, float]) -> str:
+    total = {k: v for k, v in ray.cluster_resources().items() if k in _REPORTED}
+    free = {k: v for k, v in ray.available_resources().items() if k in _REPORTED}
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    return (
+        f"asked for {num_nodes} node(s) x {bundles_per_node} bundle(s) x {resources} "
+        f"(each node's bundles packed on one node); the cluster has {nodes} alive node(s) with {total} "
+        f"in total and {free} available. Lower cluster.num_nodes / cluster.gpus_per_node, "
+        "free resources held by other jobs, or add nodes"
+    )
+
+
+def create_node_placement_groups(
+    num_nodes: int, bundles_per_node: int, use_gpus: bool, timeout_s: float
+) -> list[PlacementGroup]:
+    """Reserves one ``STRICT_PACK`` placement group per node, ``bundles_per_node`` bundles each.
+
+    Raises:
+        ValueError: ``num_nodes`` or ``bundles_per_node`` is below 1.
+        ClusterCapacityError: The groups were not all ready within ``timeout_s``; the message states the
+            request and the cluster's resources. Every group this call created has been removed.
+    """
+    if num_nodes < 1 or bundles_per_node < 1:
+        raise ValueError(
+            f"num_nodes={num_nodes}, bundles_per_node={bundles_per_node}: both must be at least 1"
+        )
+    resources = bundle_resources(use_gpus)
+    groups: list[PlacementGroup] = []
+    try:
+        for node in range(num_nodes):
+            bundles = [dict(resources) for _ in range(bundles_per_node)]
+            groups.append(placement_group(bundles, strategy="STRICT_PACK", name=f"rlfleet-node-{node}"))
+        ready, pending = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout_s)
+        if pending:
+            raise ClusterCapacityError(
+                f"placement groups not ready after {timeout_s:.0f}s: "
+                + _capacity_message(num_nodes, bundles_per_node, resources)
+            )
+        ray.get(ready, timeout=timeout_s)
+    except BaseException:
+        remove_placement_groups(groups)
+        raise
+    return groups
+
+
+def remove_placement_groups(groups: list[PlacementGroup]) -> None:
+    """Removes placement groups (Ray kills their actors); failures on removed ones are only logged."""
+    for group in groups:
+        try:
+            remove_placement_group(group)
+        except (ValueError, RuntimeError, ray.exceptions.RayError) as exc:
+            logger.warning("could not remove placement group %s: %s", group.id, exc)

@@ -1,0 +1,172 @@
+"""Ray placement groups, a gloo worker group, and FSDP2 data-parallel training equal to one process."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+from ray import cloudpickle
+
+from rlfleet.distributed.cluster import (
+    ClusterCapacityError,
+    connect_or_start,
+    create_node_placement_groups,
+    remove_placement_groups,
+)
+from rlfleet.distributed.sharded_worker import ShardedPolicyWorker
+from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError
+from rlfleet.models.loading import load_model, load_tokenizer
+from rlfleet.policy.batch import TrainBatch, collate
+from rlfleet.policy.loss_functions import ClippedPGLossFn
+from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
+
+TIMEOUT_S = 120.0
+
+
+class RankProbe:
+    """A minimal per-rank worker: all-reduces its rank id."""
+
+    def all_reduce_rank(self) -> float:
+        value = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(value)
+        return float(value)
+
+    def backend(self) -> str:
+        return str(dist.get_backend())
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """A local 4-CPU Ray cluster for the module (never the one RAY_ADDRESS may name)."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # RankProbe, without importing tests/
+    address = os.environ.pop("RAY_ADDRESS", None)
+    try:
+        connect_or_start(None, num_cpus=4, timeout_s=30.0)
+        yield
+    finally:
+        ray.shutdown()
+        if address is not None:
+            os.environ["RAY_ADDRESS"] = address
+
+
+def test_impossible_layout_fails_fast_with_request_and_resources(ray_cluster: None) -> None:
+    start = time.monotonic()
+    with pytest.raises(ClusterCapacityError) as info:
+        create_node_placement_groups(num_nodes=1, bundles_per_node=64, use_gpus=False, timeout_s=5.0)
+    assert time.monotonic() - start < 20.0
+    message = str(info.value)
+    assert "1 node(s) x 64 bundle(s)" in message and "'CPU': 1.0" in message
+    assert "'CPU': 4.0" in message  # the cluster's resources
+    # what it reserved was released: a feasible layout still fits
+    groups = create_node_placement_groups(num_nodes=1, bundles_per_node=4, use_gpus=False, timeout_s=30.0)
+    remove_placement_groups(groups)
+
+
+def test_two_ranks_form_a_gloo_process_group(ray_cluster: None) -> None:
+    groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
+    group = RayWorkerGroup(RankProbe, groups, {}, timeout_s=TIMEOUT_S)
+    try:
+        assert group.run_all("all_reduce_rank") == [1.0, 1.0]
+        assert group.run_all("backend") == ["gloo", "gloo"]
+        ray.kill(group.actors[1], no_restart=True)
+        with pytest.raises(WorkerDiedError, match="rank 1 died"):
+            group.run_all("backend")
+    finally:
+        group.shutdown()
+        remove_placement_groups(groups)
+
+
+SETTINGS = OptimizerSettings(
+    lr=1e-3,
+    weight_decay=0.01,
+    betas=(0.9, 0.999),
+    eps=1e-6,
+    warmup_steps=0,
+    warmup_start_factor=1.0,
+    max_grad_norm=1.0,
+)
+LOSS = ClippedPGLossFn(
+    eps_low=0.2,
+    eps_high=0.28,
+    dual_clip_c=None,
+    kl_penalty=0.05,
+    kl_input_clamp=20.0,
+    kl_output_clamp=10.0,
+    token_level=True,
+    importance_sampling_correction=False,
+)
+
+
+def _batch(worker: PolicyWorker) -> TrainBatch:
+    """Four sequences of different lengths with advantages and perturbed old / reference logprobs."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = worker.tokenizer.vocab_size
+    prompts = [torch.randint(3, vocab - 1, (n,), generator=gen).tolist() for n in (5, 3, 6, 4)]
+    responses = [torch.randint(3, vocab - 1, (n,), generator=gen).tolist() for n in (4, 7, 2, 5)]
+    batch = collate(prompts, responses, pad_token_id=0)
+    lp = worker.logprobs(batch, micro_batch_size=4)
+    noise = 0.05 * torch.randn(lp.shape, generator=gen) * batch.response_mask
+    return batch.with_(
+        advantages=torch.tensor([1.0, -0.5, 0.7, -1.2]), prev_logprobs=lp + noise, ref_logprobs=lp - noise
+    )
+
+
+def test_two_rank_fsdp_step_equals_single_process_step(ray_cluster: None, tiny_model_dir: Path) -> None:
+    path = str(tiny_model_dir)
+    single = PolicyWorker(load_model(path, "float32"), load_tokenizer(path), SETTINGS, keep_reference=False)
+    batch = _batch(single)
+    expected_lp = single.logprobs(batch, micro_batch_size=2)
+    initial = {name: value.clone() for name, value in single.model.state_dict().items()}
+    expected = single.train(batch, LOSS, global_batch_size=4, micro_batch_size=1)
+    groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
+    init = {"model_path": str(tiny_model_dir), "settings": SETTINGS}
+    group = RayWorkerGroup(ShardedPolicyWorker, groups, init, timeout_s=TIMEOUT_S)
+    try:
+        lps = group.run_all("logprobs", batch, 2)
+        metrics = group.run_all("train", batch, LOSS, global_batch_size=4, micro_batch_size=1)
+        state = group.run_all("full_state_dict")[0]
+    finally:
+        group.shutdown()
+        remove_placement_groups(groups)
+    torch.testing.assert_close(lps[0], expected_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lps[1], expected_lp, atol=1e-5, rtol=1e-5)
+    assert metrics[0] == pytest.approx(metrics[1])
+    for key in ("loss", "kl", "ratio", "clip_fraction", "grad_norm", "lr"):
+        assert metrics[0][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+    reference = single.model.state_dict()
+    assert set(state) == set(reference)
+    moved = max(float((reference[name] - initial[name]).abs().max()) for name in reference)
+    assert moved > 1e-4  # the step changed the weights by far more than the tolerance
+    for name, value in reference.items():
+        torch.testing.assert_close(state[name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_sharded_checkpoint_round_trip(ray_cluster: None, tiny_model_dir: Path, tmp_path: Path) -> None:
+    path = str(tiny_model_dir)
+    batch = _batch(
+        PolicyWorker(load_model(path, "float32"), load_tokenizer(path), SETTINGS, keep_reference=False)
+    )
+    groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
+    group = RayWorkerGroup(ShardedPolicyWorker, groups, {"model_path": path, "settings": SETTINGS}, TIMEOUT_S)
+    try:
+        group.run_all("train", batch, LOSS, global_batch_size=4, micro_batch_size=2)
+        saved = group.run_all("full_state_dict")[0]
+        group.run_all("save", tmp_path / "step_1")
+        group.run_all("train", batch, LOSS, global_batch_size=4, micro_batch_size=2)
+        group.run_all("load", tmp_path / "step_1")
+        restored = group.run_all("full_state_dict")[0]
+        after = group.run_all("train", batch, LOSS, global_batch_size=4, micro_batch_size=2)
+    finally:
+        group.shutdown()
+        remove_placement_groups(groups)
+    assert (tmp_path / "step_1" / "policy" / "weights" / ".metadata").is_file()
+    for name, value in saved.items():
+        torch.testing.assert_close(restored[name], value, msg=name)
+    assert after[0]["loss"] == after[1]["loss"]
