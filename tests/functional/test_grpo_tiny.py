@@ -153,3 +153,27 @@ def test_activation_checkpointing_gives_the_same_update(tiny_model_dir: Path, tm
         params.append(_params(trainer))
     for name, value in params[0].items():
         torch.testing.assert_close(params[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_kill_between_checkpoint_and_log_line_loses_no_metrics(tiny_model_dir: Path, tmp_path: Path) -> None:
+    extra = ("grpo.max_num_steps=3", DENSE)
+    GRPO(small_grpo_config(tiny_model_dir, tmp_path / "full", *extra)).train()
+
+    interrupted = GRPO(small_grpo_config(tiny_model_dir, tmp_path / "resumed", *extra))
+    original_log = interrupted.ctx.logger.log
+
+    def die_on_step_two(step: int, metrics: dict) -> None:
+        if step == 2:  # step_2 is on disk; its metrics.jsonl line is not
+            raise KeyboardInterrupt("simulated kill")
+        original_log(step, metrics)
+
+    interrupted.ctx.logger.log = die_on_step_two  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    assert (tmp_path / "resumed" / "ckpt" / "step_2").is_dir()
+    assert 2 not in [r["step"] for r in read_metrics(tmp_path / "resumed" / "logs")]
+
+    GRPO(small_grpo_config(tiny_model_dir, tmp_path / "resumed", *extra)).train()
+    assert _comparable(read_metrics(tmp_path / "resumed" / "logs")) == _comparable(
+        read_metrics(tmp_path / "full" / "logs")
+    )

@@ -25,12 +25,13 @@ from rlfleet.data import (
     resolve_system_prompt,
 )
 from rlfleet.generation import GenerationBackend, HFGenerationBackend, SamplingParams
-from rlfleet.logging import MetricsLogger, Progress, format_step_line, plot_run
+from rlfleet.logging import MetricsLogger, Progress, format_step_line, plot_run, read_metrics
 from rlfleet.models.loading import load_model, load_tokenizer
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
 from rlfleet.rewards import VerifierPool
 
 log = logging.getLogger("rlfleet")
+STEP_RECORD = "step_record"  # training_info.json key holding the step's metrics.jsonl record
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -158,9 +159,14 @@ class RunContext:
     step: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
 
-    def training_info(self) -> dict[str, Any]:
+    def training_info(self, step_metrics: dict[str, float]) -> dict[str, Any]:
+        """Counters, the latest value of every metric (ranks checkpoints), and this step's log record.
+
+        ``step_metrics`` is the exact record for this step, so a run killed between writing the checkpoint
+        and appending to ``metrics.jsonl`` gets the line back on resume.
+        """
         kept = {k: v for k, v in self.last_metrics.items() if not k.startswith("timing/")}
-        return {"step": self.step, "epoch": self.loader.epoch, **kept}
+        return {"step": self.step, "epoch": self.loader.epoch, **kept, STEP_RECORD: step_metrics}
 
 
 def make_context(
@@ -195,6 +201,7 @@ def resume(ctx: RunContext) -> None:
         return
     path = ctx.checkpoints.latest()
     if path is None:
+        ctx.logger.truncate_after(-1)  # a run killed before its first checkpoint starts over cleanly
         return
     info = ctx.checkpoints.load_training_info(path)
     ctx.worker.load(path)
@@ -203,17 +210,19 @@ def resume(ctx: RunContext) -> None:
     ctx.step = int(info["step"])
     ctx.last_metrics = {k: v for k, v in info.items() if "/" in k and not k.startswith("timing/")}
     ctx.logger.truncate_after(ctx.step)
+    if ctx.step not in {r["step"] for r in read_metrics(ctx.logger.log_dir)} and info.get(STEP_RECORD):
+        ctx.logger.log(ctx.step, info[STEP_RECORD])  # killed after the checkpoint, before the log line
     log.info("resumed from %s (step %d)", path, ctx.step)
 
 
-def save_checkpoint(ctx: RunContext) -> Path | None:
+def save_checkpoint(ctx: RunContext, step_metrics: dict[str, float]) -> Path | None:
     """Writes ``step_N`` for the current step (no-op when checkpointing is disabled)."""
     if ctx.checkpoints is None:
         return None
     return ctx.checkpoints.save(
         ctx.step,
         config_yaml=config_to_yaml(ctx.cfg),
-        training_info=ctx.training_info(),
+        training_info=ctx.training_info(step_metrics),
         dataloader_state=ctx.loader.state_dict(),
         write_policy=ctx.worker.save,
     )
@@ -277,7 +286,7 @@ def _drive(
         ctx.last_metrics = {**ctx.last_metrics, **metrics}
         if should_checkpoint(ctx):
             start = time.perf_counter()
-            save_checkpoint(ctx)
+            save_checkpoint(ctx, dict(metrics))
             metrics["timing/checkpoint"] = time.perf_counter() - start
         ctx.logger.log(ctx.step, metrics)
         progress.update()

@@ -23,7 +23,7 @@ from rlfleet.models.loading import load_model, load_tokenizer
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.logprobs import token_logprobs
 from rlfleet.policy.loss import Normalizer
-from rlfleet.policy.worker import LossFn, OptimizerSettings, warmup_factor
+from rlfleet.policy.worker import LossFn, OptimizerSettings, over_global_batches, warmup_factor
 
 # Metrics that are not sums over micro-batches (and so are not summed over ranks).
 _NOT_SUMMED = ("lr", "grad_norm")
@@ -150,15 +150,11 @@ class ShardedPolicyWorker:
             )
         self._check_divisible("global batch", global_batch_size, micro_batch_size)
         self.model.train()
-        totals: dict[str, float] = {}
-        num_steps = len(batch) // global_batch_size
-        for g in range(0, len(batch), global_batch_size):
-            step_metrics = self._optimizer_step(
-                batch.select(g, g + global_batch_size), loss_fn, micro_batch_size, temperature
-            )
-            for key, value in step_metrics.items():
-                totals[key] = totals.get(key, 0.0) + value / num_steps
-        return totals
+        return over_global_batches(
+            batch,
+            global_batch_size,
+            lambda gb: self._optimizer_step(gb, loss_fn, micro_batch_size, temperature),
+        )
 
     def _global_normalizer(self, batch: TrainBatch) -> Normalizer:
         counts = torch.tensor([float(batch.response_mask.sum()), float(len(batch))], dtype=torch.float64)

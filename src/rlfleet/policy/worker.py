@@ -34,6 +34,18 @@ class OptimizerSettings:
     max_grad_norm: float | None
 
 
+def over_global_batches(
+    batch: TrainBatch, global_batch_size: int, step_fn: Callable[[TrainBatch], dict[str, float]]
+) -> dict[str, float]:
+    """Runs ``step_fn`` (one optimizer step) on each ``global_batch_size`` slice; metrics averaged."""
+    totals: dict[str, float] = {}
+    num_steps = len(batch) // global_batch_size
+    for start in range(0, len(batch), global_batch_size):
+        for key, value in step_fn(batch.select(start, start + global_batch_size)).items():
+            totals[key] = totals.get(key, 0.0) + value / num_steps
+    return totals
+
+
 def warmup_factor(step: int, warmup_steps: int, start_factor: float) -> float:
     """Linear warm-up multiplier: ``start_factor`` at step 0 rising to 1.0 at ``warmup_steps``."""
     if warmup_steps <= 0 or step >= warmup_steps:
@@ -121,15 +133,11 @@ class PolicyWorker:
                 "the batch must split into global batches and each global batch into micro-batches"
             )
         self.model.train()
-        totals: dict[str, float] = {}
-        num_steps = len(batch) // global_batch_size
-        for g in range(0, len(batch), global_batch_size):
-            step_metrics = self._optimizer_step(
-                batch.select(g, g + global_batch_size), loss_fn, micro_batch_size, temperature
-            )
-            for key, value in step_metrics.items():
-                totals[key] = totals.get(key, 0.0) + value / num_steps
-        return totals
+        return over_global_batches(
+            batch,
+            global_batch_size,
+            lambda gb: self._optimizer_step(gb, loss_fn, micro_batch_size, temperature),
+        )
 
     def _optimizer_step(
         self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int, temperature: float
