@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from rlfleet.checkpoint import load_policy, save_policy
 from rlfleet.models.loading import load_model, load_tokenizer
 from rlfleet.policy.batch import TrainBatch
-from rlfleet.policy.logprobs import token_logprobs
+from rlfleet.policy.logprobs import batch_logprobs, token_logprobs
 from rlfleet.policy.loss import Normalizer
 from rlfleet.policy.worker import LossFn, OptimizerSettings, over_global_batches, warmup_factor
 
@@ -118,14 +118,7 @@ class ShardedPolicyWorker:
             raise RuntimeError("this worker keeps no reference model (keep_reference=True builds one)")
         self._check_divisible("logprob batch", len(batch), micro_batch_size)
         first, stop = self._my_rows(0, len(batch))
-        was_training = model.training
-        model.eval()
-        mine = torch.zeros((stop - first, batch.response_mask.shape[1]), dtype=torch.float32)
-        for start in range(first, stop, micro_batch_size):
-            mb = batch.select(start, start + micro_batch_size).to(self.device)
-            lp = token_logprobs(model, mb.input_ids, mb.attention_mask, temperature)
-            mine[start - first : start - first + len(mb), : lp.shape[1]] = lp.cpu()
-        model.train(was_training)
+        mine = batch_logprobs(model, batch, first, stop, micro_batch_size, temperature)
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(parts, mine.to(self.device))
         return torch.cat([p.cpu() for p in parts]).to(batch.response_mask.dtype)

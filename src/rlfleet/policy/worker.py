@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlfleet.checkpoint import load_policy, save_policy
 from rlfleet.policy.batch import TrainBatch
-from rlfleet.policy.logprobs import token_logprobs
+from rlfleet.policy.logprobs import batch_logprobs, token_logprobs
 from rlfleet.policy.loss import Normalizer
 
 LossFn = Callable[[torch.Tensor, TrainBatch, Normalizer], tuple[torch.Tensor, dict[str, float]]]
@@ -102,15 +102,9 @@ class PolicyWorker:
         model = self.reference if reference else self.model
         if model is None:
             raise RuntimeError("this worker keeps no reference model (keep_reference=False)")
-        was_training = model.training
-        model.eval()
-        out = torch.zeros_like(batch.response_mask)
-        for start in range(0, len(batch), micro_batch_size):
-            mb = batch.select(start, min(start + micro_batch_size, len(batch))).to(model.device)
-            lp = token_logprobs(model, mb.input_ids, mb.attention_mask, temperature)
-            out[start : start + len(mb), : lp.shape[1]] = lp.to(out.device)
-        model.train(was_training)
-        return out
+        return batch_logprobs(model, batch, 0, len(batch), micro_batch_size, temperature).to(
+            batch.response_mask.dtype
+        )
 
     def train(
         self,
