@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -251,46 +252,40 @@ def run_loop(
 
     Returns the metrics of the last step (validation included when it ran).
     """
+    with closing_run(ctx):
+        if ctx.step >= ctx.total_steps:
+            log.info("%s: already complete at step %d/%d; nothing to do", name, ctx.step, ctx.total_steps)
+            return ctx.last_metrics
+        if ctx.step == 0 and val_at_start:
+            ctx.last_metrics = validate_fn()
+            ctx.logger.log(0, ctx.last_metrics)
+        progress = Progress(ctx.total_steps, ctx.step, name, ctx.cfg.logger.progress_bar)
+        metrics: dict[str, float] = {}
+        while ctx.step < ctx.total_steps:
+            metrics = step_fn()
+            ctx.step += 1
+            if should_validate(ctx.step, ctx.total_steps, val_period, val_at_end):
+                metrics.update(validate_fn())
+            ctx.last_metrics = {**ctx.last_metrics, **metrics}
+            if should_checkpoint(ctx):
+                start = time.perf_counter()
+                save_checkpoint(ctx, dict(metrics))
+                metrics["timing/checkpoint"] = time.perf_counter() - start
+            ctx.logger.log(ctx.step, metrics)
+            progress.update()
+            progress.write(format_step_line(ctx.step, ctx.total_steps, metrics))
+        progress.close()
+        plot_run(ctx.logger.log_dir)
+        return metrics
+
+
+@contextmanager
+def closing_run(ctx: RunContext) -> Iterator[None]:
+    """Closes the reward workers and the loggers at the end, marking the run failed on an exception."""
     failed = True
     try:
-        metrics = _drive(ctx, name, step_fn, validate_fn, val_period, val_at_start, val_at_end)
+        yield
         failed = False
-        return metrics
     finally:
         ctx.verifier.close()
         ctx.logger.close(failed=failed)
-
-
-def _drive(
-    ctx: RunContext,
-    name: str,
-    step_fn: Callable[[], dict[str, float]],
-    validate_fn: Callable[[], dict[str, float]],
-    val_period: int,
-    val_at_start: bool,
-    val_at_end: bool,
-) -> dict[str, float]:
-    if ctx.step >= ctx.total_steps:
-        log.info("%s: already complete at step %d/%d; nothing to do", name, ctx.step, ctx.total_steps)
-        return ctx.last_metrics
-    if ctx.step == 0 and val_at_start:
-        ctx.last_metrics = validate_fn()
-        ctx.logger.log(0, ctx.last_metrics)
-    progress = Progress(ctx.total_steps, ctx.step, name, ctx.cfg.logger.progress_bar)
-    metrics: dict[str, float] = {}
-    while ctx.step < ctx.total_steps:
-        metrics = step_fn()
-        ctx.step += 1
-        if should_validate(ctx.step, ctx.total_steps, val_period, val_at_end):
-            metrics.update(validate_fn())
-        ctx.last_metrics = {**ctx.last_metrics, **metrics}
-        if should_checkpoint(ctx):
-            start = time.perf_counter()
-            save_checkpoint(ctx, dict(metrics))
-            metrics["timing/checkpoint"] = time.perf_counter() - start
-        ctx.logger.log(ctx.step, metrics)
-        progress.update()
-        progress.write(format_step_line(ctx.step, ctx.total_steps, metrics))
-    progress.close()
-    plot_run(ctx.logger.log_dir)
-    return metrics
