@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,14 +27,27 @@ TEST_SPEC = TinyModelSpec(
 )
 
 
+def _arithmetic_corpus() -> list[str]:
+    train, _ = load_task(MasterConfig().data)
+    scaffold = train_tokenizer(["user assistant system"], 300)
+    return [render_prompt(scaffold, ex.question, None) + ex.answer for ex in train[:2000]]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised tiny Llama with a BPE tokenizer trained on the arithmetic task."""
-    cfg = MasterConfig()
-    train, _ = load_task(cfg.data)
-    scaffold = train_tokenizer(["user assistant system"], 300)
-    corpus = [render_prompt(scaffold, ex.question, None) + ex.answer for ex in train[:2000]]
-    return create_tiny_model(tmp_path_factory.mktemp("tiny") / "model", corpus, TEST_SPEC, seed=0)
+    return create_tiny_model(tmp_path_factory.mktemp("tiny") / "model", _arithmetic_corpus(), TEST_SPEC, seed=0)
+
+
+TP_TEST_SPEC = replace(TEST_SPEC, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_tp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with as many key/value heads as query heads (2), so tensor parallelism of 2 splits it."""
+    return create_tiny_model(
+        tmp_path_factory.mktemp("tiny_tp") / "model", _arithmetic_corpus(), TP_TEST_SPEC, seed=0
+    )
 
 
 def small_grpo_overrides(model_dir: Path, run_dir: Path) -> list[str]:
