@@ -36,7 +36,9 @@ def _arithmetic_corpus() -> list[str]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised tiny Llama with a BPE tokenizer trained on the arithmetic task."""
-    return create_tiny_model(tmp_path_factory.mktemp("tiny") / "model", _arithmetic_corpus(), TEST_SPEC, seed=0)
+    return create_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "model", _arithmetic_corpus(), TEST_SPEC, seed=0
+    )
 
 
 TP_TEST_SPEC = replace(TEST_SPEC, num_key_value_heads=2)
@@ -44,7 +46,7 @@ TP_TEST_SPEC = replace(TEST_SPEC, num_key_value_heads=2)
 
 @pytest.fixture(scope="session")
 def tiny_tp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with as many key/value heads as query heads (2), so tensor parallelism of 2 splits it."""
+    """The tiny model with 2 key/value heads (as many as query heads), so tensor parallelism 2 splits it."""
     return create_tiny_model(
         tmp_path_factory.mktemp("tiny_tp") / "model", _arithmetic_corpus(), TP_TEST_SPEC, seed=0
     )
