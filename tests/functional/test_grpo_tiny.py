@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlfleet.algorithms.common import MACHINE_METRICS
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.logging import read_metrics
 from rlfleet.policy.batch import collate
@@ -37,7 +38,7 @@ def test_two_grpo_steps_change_every_trainable_parameter(tiny_model_dir: Path, t
 
 
 def _comparable(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in records]
+    return [{k: v for k, v in r.items() if not k.startswith(MACHINE_METRICS)} for r in records]
 
 
 def test_killed_run_resumes_to_identical_weights_and_metrics(tiny_model_dir: Path, tmp_path: Path) -> None:

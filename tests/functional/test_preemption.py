@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlfleet.algorithms.common import MACHINE_METRICS
 from rlfleet.checkpoint import load_model_state_dict
 from rlfleet.logging import read_metrics
 from tests.conftest import small_grpo_overrides
@@ -59,7 +60,9 @@ def run_and_kill(model: Path, run: Path, after: Path, delay: float) -> None:
 
 
 def comparable(run: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in read_metrics(run / "logs")]
+    return [
+        {k: v for k, v in r.items() if not k.startswith(MACHINE_METRICS)} for r in read_metrics(run / "logs")
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -606,10 +606,42 @@ def test_settings_this_build_cannot_honour_are_refused_not_ignored() -> None:
     path = resolve_recipe_path("grpo-tiny-arithmetic-cpu")
     base = ["policy.model_name=x"]
     ensure_runnable(load_recipe(path, base))
-    for override, key in [
-        ("cluster.gpus_per_node=8", "cluster"),
-        ("policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.tensor_parallel_size"),
-        ("policy.generation.backend=vllm", "policy.generation.backend"),
+    ensure_runnable(load_recipe(path, [*base, "cluster.gpus_per_node=8"]))  # runs on Ray
+    ensure_runnable(
+        load_recipe(
+            path,
+            [
+                *base,
+                "cluster.gpus_per_node=2",
+                "policy.generation.colocated.enabled=false",
+                "policy.generation.colocated.resources.gpus_per_node=1",
+                "policy.generation.colocated.resources.num_nodes=1",
+            ],
+        )
+    )
+    for overrides, key in [
+        (["cluster.gpus_per_node=2", "cluster.use_ray=false"], "cluster.use_ray"),
+        (["policy.dtensor_cfg.cpu_offload=true"], "policy.dtensor_cfg.cpu_offload"),
+        (["policy.dtensor_cfg.sequence_parallel=true"], "policy.dtensor_cfg.sequence_parallel"),
+        (["policy.generation.backend=vllm"], "policy.generation.backend"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(key)):
-            ensure_runnable(load_recipe(path, [*base, override]))
+            ensure_runnable(load_recipe(path, [*base, *overrides]))
+
+
+def test_ray_is_used_when_the_layout_needs_more_than_one_process() -> None:
+    from rlfleet.config import load_recipe, resolve_recipe_path
+    from rlfleet.config.capabilities import uses_ray
+
+    path = resolve_recipe_path("grpo-tiny-arithmetic-cpu")
+    assert not uses_ray(load_recipe(path, []))
+    assert uses_ray(load_recipe(path, ["cluster.use_ray=true"]))
+    assert uses_ray(load_recipe(path, ["cluster.gpus_per_node=2"]))
+    dedicated = [
+        "cluster.gpus_per_node=2",
+        "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.resources.gpus_per_node=1",
+        "policy.generation.colocated.resources.num_nodes=1",
+        "cluster.use_ray=null",
+    ]
+    assert uses_ray(load_recipe(path, dedicated))

@@ -17,6 +17,7 @@ import torch
 
 from rlfleet.checkpoint import CheckpointManager
 from rlfleet.config import MasterConfig, config_to_yaml
+from rlfleet.config.capabilities import uses_ray
 from rlfleet.data import (
     Prompt,
     ResumableLoader,
@@ -25,14 +26,18 @@ from rlfleet.data import (
     load_task,
     resolve_system_prompt,
 )
+from rlfleet.distributed.generation_worker import ModelSource
+from rlfleet.distributed.layout import compute_layout
+from rlfleet.distributed.sharded_worker import ShardingSettings
 from rlfleet.generation import GenerationBackend, HFGenerationBackend, SamplingParams
 from rlfleet.logging import MetricsLogger, Progress, format_step_line, plot_run, read_metrics
-from rlfleet.models.loading import load_model, load_tokenizer
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
 from rlfleet.rewards import VerifierPool
 
 log = logging.getLogger("rlfleet")
 STEP_RECORD = "step_record"  # training_info.json key holding the step's metrics.jsonl record
+# Metrics that measure the machine, not the run: not carried across a resume nor used to rank checkpoints.
+MACHINE_METRICS = ("timing/", "perf/")
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -40,25 +45,20 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7_919 + salt) % (2**31 - 1)
 
 
-def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> PolicyWorker:
-    """Loads the policy named by ``policy.model_name`` into a worker with its optimizer."""
+def model_source(cfg: MasterConfig) -> ModelSource:
+    """Where every worker loads the policy from."""
+    p = cfg.policy
+    return ModelSource(p.model_name, p.precision, p.gguf_file, p.tokenizer.name)
+
+
+def optimizer_settings(cfg: MasterConfig) -> OptimizerSettings:
     p = cfg.policy
     if p.optimizer.name not in ("torch.optim.AdamW", "AdamW"):  # the schema admits AdamW only
         raise ValueError(
             f"policy.optimizer.name={p.optimizer.name!r} is not supported; use torch.optim.AdamW"
         )
-    torch.manual_seed(seed)
-    if p.tokenizer.name:
-        tokenizer = load_tokenizer(p.tokenizer.name)
-    else:
-        tokenizer = load_tokenizer(p.model_name, p.gguf_file)
-    model = load_model(p.model_name, p.precision, p.gguf_file)
-    if p.dtensor_cfg.activation_checkpointing:
-        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
-    if torch.cuda.is_available():  # single-process GPU run; the Ray layer places multi-GPU workers
-        model.to("cuda")
     o = p.optimizer.kwargs
-    settings = OptimizerSettings(
+    return OptimizerSettings(
         lr=o.lr,
         weight_decay=o.weight_decay,
         betas=o.betas,
@@ -67,12 +67,57 @@ def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> Polic
         warmup_start_factor=p.scheduler.warmup_start_factor,
         max_grad_norm=p.max_grad_norm,
     )
-    return PolicyWorker(model, tokenizer, settings, keep_reference=keep_reference)
+
+
+def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> PolicyWorker:
+    """Loads the policy named by ``policy.model_name`` into an in-process worker with its optimizer."""
+    settings = optimizer_settings(cfg)
+    torch.manual_seed(seed)
+    source = model_source(cfg)
+    model = source.load_model()
+    if cfg.policy.dtensor_cfg.activation_checkpointing:
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    if torch.cuda.is_available():  # single-process GPU run; the Ray layer places multi-GPU workers
+        model.to("cuda")
+    return PolicyWorker(model, source.load_tokenizer(), settings, keep_reference=keep_reference)
 
 
 def build_backend(cfg: MasterConfig, worker: PolicyWorker) -> GenerationBackend:
     """The configured generation backend, colocated with ``worker``."""
     return HFGenerationBackend(worker.model, worker.tokenizer, cfg.policy.generation.batch_size)
+
+
+def build_policy(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> tuple[Any, GenerationBackend]:
+    """The policy worker and generation backend: in this process, or on Ray when the layout asks for it.
+
+    Both kinds answer the same calls (``logprobs``, ``train``, ``save``, ``load``, ``generate``,
+    ``refit``), so the loops do not know which one they drive.
+    """
+    if not uses_ray(cfg):
+        worker = build_worker(cfg, seed=seed, keep_reference=keep_reference)
+        return worker, build_backend(cfg, worker)
+    from rlfleet.distributed.ray_policy import RayGeneration, RayPolicy, RayRuntime  # the ray extra
+
+    layout, _ = compute_layout(cfg)
+    p, c = cfg.policy, cfg.cluster
+    source = model_source(cfg)
+    runtime = RayRuntime(
+        layout,
+        source,
+        optimizer_settings(cfg),
+        ShardingSettings(p.dtensor_cfg.tensor_parallel_size, p.dtensor_cfg.activation_checkpointing),
+        generation_batch_size=p.generation.batch_size,
+        keep_reference=keep_reference,
+        seed=seed,
+        call_timeout_s=c.call_timeout_s,
+        placement_timeout_s=c.placement_timeout_s,
+    )
+    try:
+        backend = RayGeneration(runtime, c.generation_retries)
+    except BaseException:
+        runtime.close()
+        raise
+    return RayPolicy(runtime, source.load_tokenizer(), keep_reference), backend
 
 
 def prompt_budget(cfg: MasterConfig) -> int:
@@ -118,8 +163,15 @@ class EvalResult:
 
 
 def build_verifier(cfg: MasterConfig) -> VerifierPool:
-    """The reward workers: ``env.math.num_workers`` processes, each response bounded by ``timeout_s``."""
+    """The reward workers, ``env.math.num_workers`` of them, each response bounded by ``timeout_s``.
+
+    Ray actors (restarted when they die) when the run is on Ray, else local processes.
+    """
     m = cfg.env.math
+    if uses_ray(cfg):
+        from rlfleet.rewards.ray_pool import RayVerifierPool  # the ray extra
+
+        return RayVerifierPool(m.reward_fn, m.num_workers, m.timeout_s)
     return VerifierPool(m.reward_fn, m.num_workers, m.timeout_s)
 
 
@@ -166,7 +218,7 @@ class RunContext:
         ``step_metrics`` is the exact record for this step, so a run killed between writing the checkpoint
         and appending to ``metrics.jsonl`` gets the line back on resume.
         """
-        kept = {k: v for k, v in self.last_metrics.items() if not k.startswith("timing/")}
+        kept = {k: v for k, v in self.last_metrics.items() if not k.startswith(MACHINE_METRICS)}
         return {"step": self.step, "epoch": self.loader.epoch, **kept, STEP_RECORD: step_metrics}
 
 
@@ -209,7 +261,7 @@ def resume(ctx: RunContext) -> None:
     ctx.loader.load_state_dict(ctx.checkpoints.load_dataloader_state(path))
     ctx.checkpoints.restore_rng(path)
     ctx.step = int(info["step"])
-    ctx.last_metrics = {k: v for k, v in info.items() if "/" in k and not k.startswith("timing/")}
+    ctx.last_metrics = {k: v for k, v in info.items() if "/" in k and not k.startswith(MACHINE_METRICS)}
     ctx.logger.truncate_after(ctx.step)
     if ctx.step not in {r["step"] for r in read_metrics(ctx.logger.log_dir)} and info.get(STEP_RECORD):
         ctx.logger.log(ctx.step, info[STEP_RECORD])  # killed after the checkpoint, before the log line
@@ -287,5 +339,8 @@ def closing_run(ctx: RunContext) -> Iterator[None]:
         yield
         failed = False
     finally:
-        ctx.verifier.close()
-        ctx.logger.close(failed=failed)
+        try:
+            ctx.verifier.close()
+            ctx.worker.close()
+        finally:
+            ctx.logger.close(failed=failed)

@@ -8,8 +8,7 @@ from dataclasses import asdict, dataclass
 from math import comb
 from pathlib import Path
 
-from rlfleet.algorithms.common import build_backend, build_verifier, build_worker, load_prompts
-from rlfleet.checkpoint import load_policy
+from rlfleet.algorithms.common import build_policy, build_verifier, load_prompts
 from rlfleet.config import MasterConfig
 from rlfleet.generation import SamplingParams
 
@@ -58,18 +57,21 @@ def run_eval(cfg: MasterConfig, checkpoint: Path | None = None) -> EvalReport:
     """Generates ``eval.num_tests_per_prompt`` responses per validation prompt and scores them."""
     start = time.perf_counter()
     e, gen = cfg.eval, cfg.policy.generation
-    worker = build_worker(cfg, seed=e.seed, keep_reference=False)
-    if checkpoint is not None:
-        load_policy(checkpoint, worker.model)
-    backend = build_backend(cfg, worker)
-    prompts = load_prompts(cfg, worker.tokenizer, e.max_val_samples or 10**9).val
-    n, greedy = e.num_tests_per_prompt, e.num_tests_per_prompt == 1
-    params = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k, greedy=greedy)
-    repeated = [p for p in prompts for _ in range(n)]
-    results = backend.generate([p.token_ids for p in repeated], params, seed=e.seed)
-    with build_verifier(cfg) as verifier:
-        items = [(p.text, r.text, p.example.gold) for p, r in zip(repeated, results, strict=True)]
-        rewards = verifier.score(items).rewards
+    worker, backend = build_policy(cfg, seed=e.seed, keep_reference=False)
+    try:
+        if checkpoint is not None:
+            worker.load_weights(checkpoint)
+            backend.refit()
+        prompts = load_prompts(cfg, worker.tokenizer, e.max_val_samples or 10**9).val
+        n, greedy = e.num_tests_per_prompt, e.num_tests_per_prompt == 1
+        params = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k, greedy=greedy)
+        repeated = [p for p in prompts for _ in range(n)]
+        results = backend.generate([p.token_ids for p in repeated], params, seed=e.seed)
+        with build_verifier(cfg) as verifier:
+            items = [(p.text, r.text, p.example.gold) for p, r in zip(repeated, results, strict=True)]
+            rewards = verifier.score(items).rewards
+    finally:
+        worker.close()
     correct = [sum(1 for x in rewards[i * n : (i + 1) * n] if x > 0.5) for i in range(len(prompts))]
     count = max(len(prompts), 1)
     return EvalReport(

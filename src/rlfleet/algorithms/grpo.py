@@ -19,9 +19,8 @@ import torch
 from rlfleet.algorithms.advantages import group_advantages, zero_variance_fraction
 from rlfleet.algorithms.common import (
     RunContext,
-    build_backend,
+    build_policy,
     build_verifier,
-    build_worker,
     evaluate,
     load_prompts,
     make_context,
@@ -109,10 +108,9 @@ class GRPO:
         ensure_runnable(cfg)
         self.cfg = cfg
         self.loss_fn = loss_from_config(cfg)
-        worker = build_worker(
+        worker, self.backend = build_policy(
             cfg, seed=cfg.grpo.seed, keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0
         )
-        self.backend = build_backend(cfg, worker)
         self.data = load_prompts(cfg, worker.tokenizer, cfg.grpo.max_val_samples)
         g = cfg.grpo
         self.ctx: RunContext = make_context(
@@ -127,6 +125,8 @@ class GRPO:
         )
         gen = cfg.policy.generation
         self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k)
+        if self.ctx.step > 0:
+            self.backend.refit()  # resumed weights reach engines that hold their own copy
 
     def step(self) -> dict[str, float]:
         cfg, ctx, worker, timer = self.cfg, self.ctx, self.ctx.worker, PhaseTimer()
@@ -154,7 +154,7 @@ class GRPO:
         with timer("logprobs"):
             prev = worker.logprobs(batch, p.logprob_batch_size, temperature=temperature)
             ref = None
-            if worker.reference is not None:
+            if worker.has_reference:
                 ref = worker.logprobs(batch, p.logprob_batch_size, reference=True, temperature=temperature)
         batch = batch.with_(prev_logprobs=prev, ref_logprobs=ref)
         with timer("training"):
@@ -173,8 +173,22 @@ class GRPO:
         metrics["train/reward_timeouts"] = scored.num_timeouts
         metrics["train/reward_errors"] = scored.num_errors
         metrics["train/gen_logprob_error"] = float(mismatch.sum() / batch.response_mask.sum())
+        metrics.update(self._throughput(batch, timer.metrics()))
         self._log_samples(rollouts)
         return {**metrics, **timer.metrics()}
+
+    def _throughput(self, batch: TrainBatch, timing: dict[str, float]) -> dict[str, float]:
+        """Tokens per second of each phase, and per worker with its imbalance on Ray."""
+        response_tokens = float(batch.response_mask.sum())
+        all_tokens = float(batch.attention_mask.sum())
+        out = {
+            "perf/generation_tokens_per_s": response_tokens / max(timing["timing/generation"], 1e-9),
+            "perf/training_tokens_per_s": all_tokens / max(timing["timing/training"], 1e-9),
+        }
+        out.update(self.backend.take_metrics())
+        passes = 3 if self.ctx.worker.has_reference else 2  # logprobs (+ reference) and the training pass
+        out.update(self.ctx.worker.take_metrics(int(all_tokens * passes)))
+        return out
 
     def _log_samples(self, rollouts: Sequence[Rollout]) -> None:
         n = self.cfg.logger.num_samples_to_log

@@ -11,9 +11,8 @@ from collections.abc import Sequence
 
 from rlfleet.algorithms.common import (
     RunContext,
-    build_backend,
+    build_policy,
     build_verifier,
-    build_worker,
     evaluate,
     load_prompts,
     make_context,
@@ -42,8 +41,7 @@ class SFT:
         ensure_runnable(cfg)
         self.cfg = cfg
         self.loss_fn = NLLLossFn(token_level=cfg.loss_fn.token_level_loss)
-        worker = build_worker(cfg, seed=cfg.sft.seed, keep_reference=False)
-        self.backend = build_backend(cfg, worker)
+        worker, self.backend = build_policy(cfg, seed=cfg.sft.seed, keep_reference=False)
         self.data = load_prompts(cfg, worker.tokenizer, cfg.sft.max_val_samples)
         s = cfg.sft
         self.ctx: RunContext = make_context(
@@ -71,6 +69,7 @@ class SFT:
     def validate(self) -> dict[str, float]:
         params = SamplingParams(self.cfg.policy.generation.max_new_tokens, greedy=True)
         seed = step_seed(self.cfg.sft.seed, self.ctx.step, salt=1)
+        self.backend.refit()  # engines holding their own copy see the trained weights
         return evaluate(self.backend, self.data.val, self.ctx.verifier, params, seed).metrics("val")
 
     def train(self) -> dict[str, float]:

@@ -1,24 +1,46 @@
-"""Settings the schema knows (NeMo RL keys) that this build cannot honour yet: refused, never ignored.
+"""Settings the schema knows (NeMo RL keys) that this build cannot honour: refused, never ignored.
 
-Each entry names the key, the value asked for, and what to do instead. The list shrinks as features land
-(the Ray layer lifts the cluster and parallelism entries).
+Each entry names the key, the value asked for, and what to do instead. Also decides whether a run needs
+the Ray worker layer (``uses_ray``).
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.schema import MasterConfig
+from rlfleet.distributed.layout import compute_layout
+
+
+def _processes(cfg: MasterConfig) -> tuple[int, bool]:
+    """(training processes, colocated generation) of the layout."""
+    layout, _ = compute_layout(cfg)
+    return layout.train_world, layout.colocated
+
+
+def uses_ray(cfg: MasterConfig) -> bool:
+    """Whether the run's workers are Ray actors: ``cluster.use_ray``, or by default whenever the layout
+    needs more than one process (several training ranks, or dedicated generation workers)."""
+    if cfg.cluster.use_ray is not None:
+        return cfg.cluster.use_ray
+    world, colocated = _processes(cfg)
+    return world > 1 or not colocated
 
 
 def unsupported_settings(cfg: MasterConfig) -> list[str]:
     """Problems for every configured feature that this build would otherwise silently skip."""
     problems: list[str] = []
-    world = cfg.cluster.num_nodes * max(cfg.cluster.gpus_per_node, 1)
-    if world > 1:
+    world, colocated = _processes(cfg)
+    if cfg.cluster.use_ray is False and (world > 1 or not colocated):
         problems.append(
-            f"cluster: {cfg.cluster.num_nodes} node(s) x {cfg.cluster.gpus_per_node} GPU(s) asks for "
-            f"{world} training processes, but this build trains in one process; "
-            "fix: cluster.num_nodes=1 cluster.gpus_per_node=1 (the Ray worker layer lifts this)"
+            f"cluster.use_ray=false, but the layout needs {world} training process(es)"
+            + ("" if colocated else " and dedicated generation workers")
+            + "; fix: cluster.use_ray=true (or leave it unset), or a single-process layout"
+        )
+    if uses_ray(cfg) and importlib.util.find_spec("ray") is None:
+        problems.append(
+            "this run needs Ray (several workers), but ray is not installed; fix: pip install 'rlfleet[ray]'"
         )
     d = cfg.policy.dtensor_cfg
     if not d.enabled:
@@ -26,25 +48,16 @@ def unsupported_settings(cfg: MasterConfig) -> list[str]:
             "policy.dtensor_cfg.enabled: got false, but rlfleet trains with the DTensor/FSDP2 path only "
             "(there is no Megatron backend); fix: policy.dtensor_cfg.enabled=true"
         )
-    for key, value, default in (
-        ("tensor_parallel_size", d.tensor_parallel_size, 1),
-        ("cpu_offload", d.cpu_offload, False),
-        ("sequence_parallel", d.sequence_parallel, False),
-    ):
-        if value != default:
+    for key, value in (("cpu_offload", d.cpu_offload), ("sequence_parallel", d.sequence_parallel)):
+        if value:
             problems.append(
-                f"policy.dtensor_cfg.{key}: got {value!r}, but this build has no sharded trainer yet; "
-                f"fix: policy.dtensor_cfg.{key}={str(default).lower()}"
+                f"policy.dtensor_cfg.{key}: got true, but this build does not implement it yet; "
+                f"fix: policy.dtensor_cfg.{key}=false"
             )
     if cfg.policy.generation.backend != "hf":
         problems.append(
             f"policy.generation.backend: got {cfg.policy.generation.backend!r}, but this build has the HF "
             "backend only; fix: policy.generation.backend=hf"
-        )
-    if not cfg.policy.generation.colocated.enabled:
-        problems.append(
-            "policy.generation.colocated.enabled: got false, but this build generates in the training "
-            "process; fix: policy.generation.colocated.enabled=true"
         )
     return problems
 

@@ -295,6 +295,18 @@ class EvalConfig(Strict):
 class ClusterConfig(Strict):
     num_nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(1, ge=1, description="GPUs per node (CPU-only: worker processes per node).")
+    use_ray: bool | None = Field(
+        None,
+        description="Run the workers as Ray actors (RAY_ADDRESS names a cluster, else a local one starts). "
+        "None: only when the layout needs more than one process.",
+    )
+    call_timeout_s: float = Field(600.0, gt=0, description="Limit on every call to a Ray worker (no hangs).")
+    placement_timeout_s: float = Field(
+        120.0, gt=0, description="How long to wait for the cluster to place the workers before failing."
+    )
+    generation_retries: int = Field(
+        1, ge=0, description="Times a step's generation is retried after a dedicated generation worker dies."
+    )
 
 
 # --------------------------------------------------------------------------------------------- root

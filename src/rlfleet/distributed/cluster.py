@@ -45,7 +45,7 @@ def _check_reachable(address: str, timeout_s: float) -> None:
         ) from exc
 
 
-def connect_or_start(address: str | None, num_cpus: int | None, timeout_s: float) -> None:
+def connect_or_start(address: str | None, num_cpus: int | None, timeout_s: float) -> bool:
     """Connects to an existing Ray cluster, or starts a local one.
 
     Args:
@@ -54,18 +54,21 @@ def connect_or_start(address: str | None, num_cpus: int | None, timeout_s: float
         num_cpus: CPUs a *local* cluster advertises (None: all of the machine's); ignored when connecting.
         timeout_s: How long to wait for a ``host:port`` address to accept connections.
 
-    Does nothing when Ray is already initialised in this process.
+    Returns:
+        True when this call initialised Ray (the caller then owns ``ray.shutdown``); False when Ray was
+        already initialised in this process, in which case nothing is done.
     """
     if ray.is_initialized():
-        return
+        return False
     target = address or os.environ.get(RAY_ADDRESS_ENV) or None
     if target is None:
         logger.info("starting a local Ray cluster (num_cpus=%s)", num_cpus)
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
-        return
+        return True
     _check_reachable(target, timeout_s)
     logger.info("connecting to the Ray cluster at %s", target)
     ray.init(address=target, log_to_driver=True)
+    return True
 
 
 def bundle_resources(use_gpus: bool) -> dict[str, float]:
@@ -86,9 +89,12 @@ def _capacity_message(num_nodes: int, bundles_per_node: int, resources: dict[str
 
 
 def create_node_placement_groups(
-    num_nodes: int, bundles_per_node: int, use_gpus: bool, timeout_s: float
+    num_nodes: int, bundles_per_node: int, use_gpus: bool, timeout_s: float, name: str = "rlfleet"
 ) -> list[PlacementGroup]:
     """Reserves one ``STRICT_PACK`` placement group per node, ``bundles_per_node`` bundles each.
+
+    ``name`` prefixes the groups' names (``<name>-node-<i>``), so a training and a generation pool can be
+    told apart in ``ray status``.
 
     Raises:
         ValueError: ``num_nodes`` or ``bundles_per_node`` is below 1.
@@ -104,7 +110,7 @@ def create_node_placement_groups(
     try:
         for node in range(num_nodes):
             bundles = [dict(resources) for _ in range(bundles_per_node)]
-            groups.append(placement_group(bundles, strategy="STRICT_PACK", name=f"rlfleet-node-{node}"))
+            groups.append(placement_group(bundles, strategy="STRICT_PACK", name=f"{name}-node-{node}"))
         ready, pending = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout_s)
         if pending:
             raise ClusterCapacityError(

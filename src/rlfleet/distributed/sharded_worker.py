@@ -8,18 +8,20 @@ single-process ``PolicyWorker`` step on the same batch.
 
 from __future__ import annotations
 
-import math
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from transformers import PreTrainedModel
 
 from rlfleet.checkpoint import load_policy, save_policy
-from rlfleet.models.loading import load_model, load_tokenizer
+from rlfleet.distributed.generation_worker import GenerationWorker, ModelSource, WorkerOutput
+from rlfleet.distributed.parallelize import build_mesh, clip_grad_norm, parallelize
+from rlfleet.distributed.refit import RefitGroup, WeightSpec, weight_spec
+from rlfleet.generation import SamplingParams
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.logprobs import batch_logprobs, token_logprobs
 from rlfleet.policy.loss import Normalizer
@@ -27,59 +29,62 @@ from rlfleet.policy.worker import LossFn, OptimizerSettings, over_global_batches
 
 # Metrics that are not sums over micro-batches (and so are not summed over ranks).
 _NOT_SUMMED = ("lr", "grad_norm")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise ValueError(
-            f"{type(model).__name__} has no .model.layers; FSDP2 sharding per decoder layer supports "
-            "Llama-style causal LMs"
-        )
-    return list(layers)
+@dataclass(frozen=True)
+class ShardingSettings:
+    """How the policy is split: ``policy.dtensor_cfg`` plus the colocated generation engine."""
 
-
-def _shard(model: PreTrainedModel, device_type: str) -> PreTrainedModel:
-    """``fully_shard`` on every decoder layer and on the root, over all ranks."""
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    tensor_parallel_size: int = 1
+    activation_checkpointing: bool = False
+    generation_batch_size: int | None = None  # None: no colocated generation engine on this rank
 
 
 class ShardedPolicyWorker:
     """Holds this rank's shard of the policy (and optionally of a frozen reference) and its optimizer.
 
+    Ranks form a 2-D (data-parallel x tensor-parallel) mesh; FSDP2 shards over the data-parallel axis.
+    On a GPU with ``precision=bfloat16`` the master weights stay float32 and FSDP2 computes in bfloat16
+    (reducing gradients in float32); on the CPU the model is loaded in ``precision``.
+
     Args:
-        model_path: An HF model directory or hub name (see ``rlfleet.models.loading``).
+        source: The policy to load (``policy.model_name`` and friends).
         settings: Optimizer, warm-up schedule and gradient clipping (as ``PolicyWorker``).
-        precision: "float32", "bfloat16" or "float16".
+        sharding: Tensor parallelism, activation checkpointing, colocated generation.
         keep_reference: Also hold a frozen, sharded copy of the initial weights.
+        seed: Seeds torch on this rank before the model is built.
 
     Needs an initialised ``torch.distributed`` process group.
     """
 
     def __init__(
         self,
-        model_path: str,
+        source: ModelSource,
         settings: OptimizerSettings,
-        precision: str = "float32",
+        sharding: ShardingSettings = ShardingSettings(),
         *,
         keep_reference: bool = False,
+        seed: int = 0,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ShardedPolicyWorker needs a process group; build it through RayWorkerGroup")
+        torch.manual_seed(seed)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self.mesh = build_mesh(sharding.tensor_parallel_size, self.device.type)
+        self.dp_group = self.mesh.get_group("dp")
+        self.dp_rank = self.mesh["dp"].get_local_rank()
+        self.dp_size = self.mesh["dp"].size()
         self.settings = settings
-        self.tokenizer = load_tokenizer(model_path)
-        self.model = _shard(load_model(model_path, precision), self.device.type)
+        self.sharding = sharding
+        self.precision = source.precision  # of the generation engines, so of the refit
+        self.tokenizer = source.load_tokenizer()
+        self.model = self._build(source)
         self.reference: PreTrainedModel | None = None
         if keep_reference:
-            self.reference = _shard(load_model(model_path, precision), self.device.type)
+            self.reference = self._build(source)
             self.reference.eval()
             self.reference.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
@@ -93,19 +98,42 @@ class ShardedPolicyWorker:
             self.optimizer,
             lambda s: warmup_factor(s, settings.warmup_steps, settings.warmup_start_factor),
         )
+        self.generator: GenerationWorker | None = None
+        if sharding.generation_batch_size is not None:
+            self.generator = GenerationWorker(source, sharding.generation_batch_size)
+        self.refit_group: RefitGroup | None = None
+        self.busy_seconds = 0.0
+
+    def _build(self, source: ModelSource) -> PreTrainedModel:
+        on_gpu = self.device.type == "cuda"
+        # GPU: float32 master weights, compute in the configured dtype (FSDP2 mixed precision)
+        master = ModelSource(source.model_name, "float32", source.gguf_file, source.tokenizer_name)
+        model = (master if on_gpu else source).load_model().to(self.device)
+        param_dtype = _DTYPES[source.precision] if on_gpu and source.precision != "float32" else None
+        return parallelize(
+            model,
+            self.mesh,
+            activation_checkpointing=self.sharding.activation_checkpointing,
+            param_dtype=param_dtype,
+        )
+
+    def placement(self) -> dict[str, int]:
+        """This rank's coordinates (for logs and tests)."""
+        tp = self.mesh["tp"]
+        return {"rank": self.rank, "dp_rank": self.dp_rank, "tp_rank": tp.get_local_rank()}
 
     def _my_rows(self, start: int, size: int) -> tuple[int, int]:
-        """This rank's contiguous share of rows ``start : start + size`` (size divisible by world size)."""
-        share = size // self.world_size
-        return start + self.rank * share, start + (self.rank + 1) * share
+        """This data-parallel rank's contiguous share of rows ``start : start + size``."""
+        share = size // self.dp_size
+        return start + self.dp_rank * share, start + (self.dp_rank + 1) * share
 
     def _check_divisible(self, what: str, rows: int, micro_batch_size: int) -> None:
-        share, rest = divmod(rows, self.world_size)
+        share, rest = divmod(rows, self.dp_size)
         if rest or share % micro_batch_size:
             raise ValueError(
-                f"{what} of {rows} rows over {self.world_size} ranks with micro-batch {micro_batch_size}: "
-                "it must split evenly into ranks and each rank's share into micro-batches "
-                "(every rank must run the same number of forward passes)"
+                f"{what} of {rows} rows over {self.dp_size} data-parallel ranks with micro-batch "
+                f"{micro_batch_size}: it must split evenly into ranks and each rank's share into "
+                "micro-batches (every rank must run the same number of forward passes)"
             )
 
     @torch.no_grad()
@@ -117,10 +145,12 @@ class ShardedPolicyWorker:
         if model is None:
             raise RuntimeError("this worker keeps no reference model (keep_reference=True builds one)")
         self._check_divisible("logprob batch", len(batch), micro_batch_size)
+        start = time.perf_counter()
         first, stop = self._my_rows(0, len(batch))
         mine = batch_logprobs(model, batch, first, stop, micro_batch_size, temperature)
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(parts, mine.to(self.device))
+        self.busy_seconds += time.perf_counter() - start
+        parts = [torch.empty_like(mine).to(self.device) for _ in range(self.dp_size)]
+        dist.all_gather(parts, mine.to(self.device), group=self.dp_group)
         return torch.cat([p.cpu() for p in parts]).to(batch.response_mask.dtype)
 
     def train(
@@ -134,8 +164,9 @@ class ShardedPolicyWorker:
     ) -> dict[str, float]:
         """One optimizer step per ``global_batch_size`` rows of the (whole, identical on every rank) batch.
 
-        Returns metrics averaged over the optimizer steps, summed over ranks as ``PolicyWorker`` sums them
-        over micro-batches: the loss function's metrics plus ``grad_norm`` and ``lr``. Same on every rank.
+        Returns metrics averaged over the optimizer steps, summed over data-parallel ranks as
+        ``PolicyWorker`` sums them over micro-batches: the loss function's metrics plus ``grad_norm`` and
+        ``lr``. Same on every rank.
         """
         if len(batch) % global_batch_size:
             raise ValueError(
@@ -149,54 +180,99 @@ class ShardedPolicyWorker:
             lambda gb: self._optimizer_step(gb, loss_fn, micro_batch_size, temperature),
         )
 
-    def _global_normalizer(self, batch: TrainBatch) -> Normalizer:
-        counts = torch.tensor([float(batch.response_mask.sum()), float(len(batch))], dtype=torch.float64)
-        counts = counts.to(self.device)
-        dist.all_reduce(counts)
-        return Normalizer(num_tokens=float(counts[0]), num_sequences=float(counts[1]))
+    def _all_reduce(self, values: list[float]) -> list[float]:
+        """Sums over the data-parallel ranks (tensor-parallel peers hold the same rows)."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, group=self.dp_group)
+        return tensor.cpu().tolist()
 
     def _optimizer_step(
         self, global_batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int, temperature: float
     ) -> dict[str, float]:
         first, stop = self._my_rows(0, len(global_batch))
         batch = global_batch.select(first, stop)
-        norm = self._global_normalizer(batch)
+        tokens, rows = self._all_reduce([float(batch.response_mask.sum()), float(len(batch))])
+        norm = Normalizer(num_tokens=tokens, num_sequences=rows)
         metrics: dict[str, float] = {}
+        start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        for start in range(0, len(batch), micro_batch_size):
-            mb = batch.select(start, start + micro_batch_size).to(self.device)
+        for offset in range(0, len(batch), micro_batch_size):
+            mb = batch.select(offset, offset + micro_batch_size).to(self.device)
             lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask, temperature)
             loss, mb_metrics = loss_fn(lp, mb, norm)
-            # FSDP averages gradients over ranks; each rank's loss is already its share of the global loss.
-            (loss * self.world_size).backward()
+            # FSDP averages gradients over data-parallel ranks; each rank's loss is already its share of
+            # the global loss, so undo the average.
+            (loss * self.dp_size).backward()
             for key, value in mb_metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + value
-        metrics = self._sum_over_ranks(metrics)
-        max_norm = self.settings.max_grad_norm if self.settings.max_grad_norm is not None else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.busy_seconds += time.perf_counter() - start
+        keys = sorted(k for k in metrics if k not in _NOT_SUMMED)
+        metrics = dict(zip(keys, self._all_reduce([metrics[k] for k in keys]), strict=True))
+        metrics["grad_norm"] = clip_grad_norm(self.model.parameters(), self.settings.max_grad_norm)
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        full_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        metrics["grad_norm"] = float(full_norm)
         return metrics
 
-    def _sum_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
-        keys = sorted(k for k in metrics if k not in _NOT_SUMMED)
-        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(values)
-        return dict(zip(keys, values.cpu().tolist(), strict=True))
+    def take_busy_seconds(self) -> float:
+        """Seconds this rank spent computing (logprobs and training) since the last call."""
+        busy, self.busy_seconds = self.busy_seconds, 0.0
+        return busy
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded weights on CPU, on rank 0 (empty elsewhere). Collective: call on every rank."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    def full_state_dict(self, *, on_every_rank: bool = False) -> dict[str, torch.Tensor]:
+        """The unsharded weights (on CPU on rank 0 only, or on every rank). Collective: call on all ranks."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not on_every_rank)
         return get_model_state_dict(self.model, options=options)
 
+    # ---------------------------------------------------------------------------- generation and refit
+
+    def _engine(self) -> GenerationWorker:
+        if self.generator is None:
+            raise RuntimeError("this rank has no colocated generation engine (generation_batch_size=None)")
+        return self.generator
+
+    def generate_rows(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]
+    ) -> WorkerOutput:
+        """Colocated generation on this rank's engine."""
+        return self._engine().generate_rows(prompts, params, seeds)
+
+    def refit_colocated(self) -> None:
+        """Copies the current training weights into this rank's engine (collective: all ranks gather)."""
+        state = self.full_state_dict(on_every_rank=True)
+        self._engine().load_weights(state)
+
+    def weight_spec(self) -> WeightSpec:
+        """Names and shapes of the full weights, as rank 0 will broadcast them (collective)."""
+        return weight_spec(self.full_state_dict())
+
+    def join_refit_group(self, master_addr: str, master_port: int, size: int, timeout_s: float) -> None:
+        """Rank 0 joins the refit group as its source; other ranks do nothing."""
+        if self.rank == 0:
+            if self.refit_group is not None:
+                self.refit_group.close()
+            dtype = _DTYPES[self.precision]
+            self.refit_group = RefitGroup(master_addr, master_port, 0, size, timeout_s, dtype)
+
+    def send_weights(self, spec: WeightSpec) -> None:
+        """Dedicated refit: every rank helps gather the full weights; rank 0 broadcasts them."""
+        state = self.full_state_dict()
+        if self.rank == 0:
+            if self.refit_group is None:
+                raise RuntimeError("join_refit_group must run before send_weights")
+            self.refit_group.send(state, spec)
+
+    # ---------------------------------------------------------------------------- checkpoints
+
     def save(self, step_dir: Path) -> None:
-        """Writes the policy checkpoint (DCP, collective). Call on every rank."""
+        """Writes the policy checkpoint (DCP, collective: one ``__<rank>_0.distcp`` per rank)."""
         save_policy(step_dir, self.model, self.optimizer, self.scheduler, self.tokenizer)
 
     def load(self, step_dir: Path) -> None:
-        """Restores weights, optimizer and scheduler written by ``save`` (collective)."""
+        """Restores weights, optimizer and scheduler written by ``save``, on any world size (collective)."""
         load_policy(step_dir, self.model, self.optimizer, self.scheduler)
+
+    def load_weights(self, step_dir: Path) -> None:
+        """Restores the weights only (collective)."""
+        load_policy(step_dir, self.model)

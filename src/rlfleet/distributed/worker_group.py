@@ -89,6 +89,34 @@ class _RankHost:
             dist.destroy_process_group()
 
 
+def gather(refs: Sequence[ray.ObjectRef], timeout_s: float) -> list[Any]:
+    """``ray.get`` in order, failing as soon as any call fails (rather than waiting on a blocked peer).
+
+    Raises:
+        WorkerDiedError: The actor behind a call died (its index in ``refs`` is named as the rank).
+        WorkerTimeoutError: Some calls did not finish within ``timeout_s``.
+    """
+    rank_of = {ref: rank for rank, ref in enumerate(refs)}
+    results: dict[int, Any] = {}
+    pending = list(refs)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        remaining = deadline - time.monotonic()
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(remaining, 0.0))
+        if not done:
+            ranks = sorted(rank_of[r] for r in pending)
+            raise WorkerTimeoutError(
+                f"ranks {ranks} did not answer within {timeout_s:.0f}s; a peer may be stuck in a "
+                "collective: inspect their logs, raise cluster.call_timeout_s, or shut the group down"
+            )
+        for ref in done:
+            try:
+                results[rank_of[ref]] = ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerDiedError(rank_of[ref], exc) from exc
+    return [results[rank] for rank in range(len(refs))]
+
+
 class RayWorkerGroup:
     """One actor per bundle of ``placement_groups`` (ranks in order), each hosting ``actor_cls(**init_args)``.
 
@@ -141,29 +169,30 @@ class RayWorkerGroup:
             WorkerDiedError: A rank's actor died.
             WorkerTimeoutError: Some ranks did not finish within the group's timeout.
         """
-        return self._gather([a.call.remote(method, args, kwargs) for a in self.actors])
+        return self._gather(self.submit(method, *args, **kwargs))
+
+    def run_each(self, method: str, per_rank_args: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Calls ``method(*per_rank_args[rank])`` on each rank; results in rank order."""
+        if len(per_rank_args) != self.world_size:
+            raise ValueError(f"{len(per_rank_args)} argument tuples for {self.world_size} ranks")
+        return self._gather(
+            [a.call.remote(method, args, {}) for a, args in zip(self.actors, per_rank_args, strict=True)]
+        )
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        """Starts ``method`` on every rank without waiting (gather with ``gather``)."""
+        return [a.call.remote(method, args, kwargs) for a in self.actors]
+
+    def submit_to(self, rank: int, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+        """Starts ``method`` on one rank without waiting."""
+        return self.actors[rank].call.remote(method, args, kwargs)
+
+    def free_port_on_rank0(self) -> tuple[str, int]:
+        """Rank 0's node address and a port free there (for another group's rendezvous)."""
+        return self._gather([self.actors[0].address_and_free_port.remote()])[0]
 
     def _gather(self, refs: list[ray.ObjectRef]) -> list[Any]:
-        """``ray.get`` in rank order, failing as soon as any rank fails (rather than on a blocked peer)."""
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        results: dict[int, Any] = {}
-        pending = list(refs)
-        deadline = time.monotonic() + self.timeout_s
-        while pending:
-            remaining = deadline - time.monotonic()
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(remaining, 0.0))
-            if not done:
-                ranks = sorted(rank_of[r] for r in pending)
-                raise WorkerTimeoutError(
-                    f"ranks {ranks} did not answer within {self.timeout_s:.0f}s; a peer may be stuck in a "
-                    "collective: inspect their logs, raise the timeout, or shut the group down"
-                )
-            for ref in done:
-                try:
-                    results[rank_of[ref]] = ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
-                except ray.exceptions.RayActorError as exc:
-                    raise WorkerDiedError(rank_of[ref], exc) from exc
-        return [results[rank] for rank in range(len(refs))]
+        return gather(refs, self.timeout_s)
 
     def shutdown(self) -> None:
         """Destroys the process group in every live actor and kills the actors."""

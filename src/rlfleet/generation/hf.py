@@ -5,13 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlfleet.generation.interface import GenerationResult, SamplingParams
+from rlfleet.generation.sampling import SeededRowSampler, row_seeds
 
 
 class HFGenerationBackend:
     """Samples with ``model.generate``, sharing the policy's module (so refit is a no-op).
+
+    Sampling is batch-invariant (see ``rlfleet.generation.sampling``): row ``i`` of a call seeded with
+    ``seed`` draws from its own seed, so splitting the rows over workers gives the same responses.
 
     Args:
         model: The causal LM; generation runs in eval mode and restores the previous mode.
@@ -29,23 +33,35 @@ class HFGenerationBackend:
     def refit(self) -> None:
         """Colocated and in-process: the backend already holds the trainer's weights."""
 
-    @torch.no_grad()
+    def take_metrics(self) -> dict[str, float]:
+        """One in-process engine: nothing per worker to report."""
+        return {}
+
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
     ) -> list[GenerationResult]:
-        torch.manual_seed(seed)
+        return self.generate_rows(prompts, params, row_seeds(seed, len(prompts)))
+
+    @torch.no_grad()
+    def generate_rows(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
+    ) -> list[GenerationResult]:
+        """One response per prompt, row ``i`` sampled from ``seeds[i]`` alone."""
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         was_training = self.model.training
         self.model.eval()
         try:
             results: list[GenerationResult] = []
             for start in range(0, len(prompts), self.batch_size):
-                results.extend(self._generate_batch(prompts[start : start + self.batch_size], params))
+                stop = start + self.batch_size
+                results.extend(self._generate_batch(prompts[start:stop], params, seeds[start:stop]))
             return results
         finally:
             self.model.train(was_training)
 
     def _generate_batch(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
     ) -> list[GenerationResult]:
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         width = max(len(p) for p in prompts)
@@ -54,26 +70,23 @@ class HFGenerationBackend:
         for i, p in enumerate(prompts):  # left padding
             input_ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
             attention[i, width - len(p) :] = 1
-        sampling = (
-            {}
-            if params.greedy
-            else {
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "top_k": params.top_k or 0,
-            }
-        )
-        out = self.model.generate(
-            input_ids=input_ids.to(self.model.device),
-            attention_mask=attention.to(self.model.device),
-            do_sample=not params.greedy,
+        config = GenerationConfig(
+            do_sample=False,  # the seeded processor below does the sampling
             max_new_tokens=params.max_new_tokens,
             eos_token_id=eos,
             pad_token_id=pad,
             use_cache=True,
             return_dict_in_generate=True,
             output_logits=not params.greedy,
-            **sampling,
+        )
+        processors = LogitsProcessorList(
+            [] if params.greedy else [SeededRowSampler(seeds, params, prompt_width=width)]
+        )
+        out = self.model.generate(
+            input_ids=input_ids.to(self.model.device),
+            attention_mask=attention.to(self.model.device),
+            generation_config=config,
+            logits_processor=processors,
         )
         new_tokens = out.sequences[:, width:].cpu()  # [B, N]
         logprobs = self._sampler_logprobs(out.logits, new_tokens, params) if not params.greedy else None

@@ -47,3 +47,7 @@ class GenerationBackend(Protocol):
     def refit(self) -> None:
         """Makes the backend use the trainer's current weights (a no-op when it shares them)."""
         ...
+
+    def take_metrics(self) -> dict[str, float]:
+        """Metrics of the engines since the last call (per-worker throughput on Ray; may be empty)."""
+        ...

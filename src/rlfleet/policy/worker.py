@@ -87,6 +87,17 @@ class PolicyWorker:
             lambda s: warmup_factor(s, settings.warmup_steps, settings.warmup_start_factor),
         )
 
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
+
+    def take_metrics(self, total_tokens: int) -> dict[str, float]:
+        """Per-worker balance metrics (Ray workers report them; one in-process worker has none)."""
+        return {}
+
+    def close(self) -> None:
+        """Nothing to release in-process (the Ray policy stops its actors)."""
+
     @staticmethod
     def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
         ref = copy.deepcopy(model)
@@ -163,3 +174,7 @@ class PolicyWorker:
     def load(self, step_dir: Path) -> None:
         """Restores weights, optimizer and scheduler written by ``save``."""
         load_policy(step_dir, self.model, self.optimizer, self.scheduler)
+
+    def load_weights(self, step_dir: Path) -> None:
+        """Restores the weights only (evaluation of a checkpoint)."""
+        load_policy(step_dir, self.model)

@@ -1,0 +1,309 @@
+"""The driver's handles on a policy trained by Ray actors: the same methods as the in-process worker.
+
+``RayRuntime`` reserves the placement groups and starts the worker groups; ``RayPolicy`` (logprobs,
+training, checkpoints) and ``RayGeneration`` (sampling, refit) are what the algorithms see, so the GRPO
+and SFT loops do not change between one process and a cluster.
+
+Layouts (``distributed.layout``): *colocated*, every training rank also holds a generation engine and the
+refit copies the gathered weights in place; *dedicated*, generation engines run on their own bundles and
+receive the weights by broadcast from training rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from rlfleet.distributed.cluster import (
+    connect_or_start,
+    create_node_placement_groups,
+    remove_placement_groups,
+)
+from rlfleet.distributed.generation_worker import GenerationWorker, ModelSource, WorkerOutput
+from rlfleet.distributed.layout import ResourceLayout
+from rlfleet.distributed.refit import WeightSpec
+from rlfleet.distributed.sharded_worker import ShardedPolicyWorker, ShardingSettings
+from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError, WorkerTimeoutError, gather
+from rlfleet.generation import GenerationResult, SamplingParams
+from rlfleet.generation.sampling import row_seeds
+from rlfleet.policy.batch import TrainBatch
+from rlfleet.policy.worker import LossFn, OptimizerSettings
+
+log = logging.getLogger(__name__)
+
+
+def split_rows(count: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` ranges of ``count`` rows over ``parts`` workers, sizes within one."""
+    base, extra = divmod(count, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def balance_metrics(prefix: str, seconds: Sequence[float], tokens: Sequence[int]) -> dict[str, float]:
+    """Per-worker throughput and how uneven the workers' times were (1.0 = perfectly even)."""
+    rates = [t / s for t, s in zip(tokens, seconds, strict=True) if s > 0]
+    mean_s = sum(seconds) / len(seconds)
+    return {
+        f"perf/{prefix}_tokens_per_s_per_worker": sum(rates) / len(rates) if rates else 0.0,
+        f"perf/{prefix}_imbalance": max(seconds) / mean_s if mean_s > 0 else 1.0,
+        f"perf/{prefix}_workers": float(len(seconds)),
+    }
+
+
+class RayRuntime:
+    """Placement groups and worker groups for one run; ``close`` releases everything it started.
+
+    Args:
+        layout: Where training and generation run (``compute_layout``).
+        source: The policy to load.
+        settings: Optimizer settings of the training ranks.
+        sharding: Tensor parallelism and activation checkpointing (``generation_batch_size`` is set here).
+        generation_batch_size: Prompts per ``generate`` call in each engine.
+        keep_reference: Training ranks also hold the frozen reference policy.
+        seed: Seeds the training ranks.
+        call_timeout_s: Limit on every call to an actor.
+        placement_timeout_s: Limit on reserving the placement groups.
+    """
+
+    def __init__(
+        self,
+        layout: ResourceLayout,
+        source: ModelSource,
+        settings: OptimizerSettings,
+        sharding: ShardingSettings,
+        *,
+        generation_batch_size: int,
+        keep_reference: bool,
+        seed: int,
+        call_timeout_s: float,
+        placement_timeout_s: float,
+    ) -> None:
+        self.layout = layout
+        self.source = source
+        self.generation_batch_size = generation_batch_size
+        self.call_timeout_s = call_timeout_s
+        self.placement_timeout_s = placement_timeout_s
+        processes = layout.train_world + (0 if layout.colocated else layout.gen_world)
+        self.owns_ray = connect_or_start(None, num_cpus=processes + 2, timeout_s=placement_timeout_s)
+        self.use_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        self.groups: list[Any] = []
+        self.train: RayWorkerGroup | None = None
+        self.gen: RayWorkerGroup | None = None
+        try:
+            self.train_pgs = self._reserve(layout.train_nodes, layout.train_gpus_per_node, "rlfleet-train")
+            self.gen_pgs = (
+                []
+                if layout.colocated
+                else self._reserve(layout.gen_nodes, layout.gen_gpus_per_node, "rlfleet-generation")
+            )
+            colocated_batch = generation_batch_size if layout.colocated else None
+            init = {
+                "source": source,
+                "settings": settings,
+                "sharding": ShardingSettings(
+                    sharding.tensor_parallel_size, sharding.activation_checkpointing, colocated_batch
+                ),
+                "keep_reference": keep_reference,
+                "seed": seed,
+            }
+            self.train = RayWorkerGroup(ShardedPolicyWorker, self.train_pgs, init, call_timeout_s)
+            log.info(
+                "training on %d Ray worker(s) (tensor parallel %d); generation %s",
+                self.train.world_size,
+                layout.train_tp,
+                "colocated" if layout.colocated else f"on {layout.gen_world} dedicated worker(s)",
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def _reserve(self, nodes: int, per_node: int, name: str) -> list[Any]:
+        groups = create_node_placement_groups(nodes, per_node, self.use_gpus, self.placement_timeout_s, name)
+        self.groups.extend(groups)
+        return groups
+
+    def training(self) -> RayWorkerGroup:
+        if self.train is None:
+            raise RuntimeError("the training workers are shut down")
+        return self.train
+
+    def start_generation_group(self) -> RayWorkerGroup:
+        """(Re)starts the dedicated generation workers on their placement groups."""
+        if self.gen is not None:
+            self.gen.shutdown()
+            self.gen = None
+        init = {"source": self.source, "batch_size": self.generation_batch_size}
+        self.gen = RayWorkerGroup(GenerationWorker, self.gen_pgs, init, self.call_timeout_s)
+        return self.gen
+
+    def close(self) -> None:
+        """Stops the workers, frees the placement groups, and shuts Ray down if this run started it."""
+        for group in (self.gen, self.train):
+            if group is not None:
+                group.shutdown()
+        self.gen = self.train = None
+        remove_placement_groups(self.groups)
+        self.groups = []
+        if self.owns_ray and ray.is_initialized():
+            ray.shutdown()
+            self.owns_ray = False
+
+
+class RayPolicy:
+    """The training ranks, seen as one policy worker (the methods of ``PolicyWorker``)."""
+
+    def __init__(self, runtime: RayRuntime, tokenizer: Any, keep_reference: bool) -> None:
+        self.runtime = runtime
+        self.tokenizer = tokenizer
+        self.has_reference = keep_reference
+
+    def logprobs(
+        self, batch: TrainBatch, micro_batch_size: int, *, reference: bool = False, temperature: float = 1.0
+    ) -> Any:
+        return self.runtime.training().run_all(
+            "logprobs", batch, micro_batch_size, reference=reference, temperature=temperature
+        )[0]
+
+    def train(
+        self,
+        batch: TrainBatch,
+        loss_fn: LossFn,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
+        return self.runtime.training().run_all(
+            "train",
+            batch,
+            loss_fn,
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            temperature=temperature,
+        )[0]
+
+    def take_metrics(self, total_tokens: int) -> dict[str, float]:
+        """Busy-time balance of the training ranks since the last call, which processed ``total_tokens``
+        (each data-parallel rank its share; tensor-parallel peers the same rows)."""
+        seconds = self.runtime.training().run_all("take_busy_seconds")
+        per_rank = total_tokens // self.runtime.layout.train_dp
+        return balance_metrics("training", seconds, [per_rank] * len(seconds))
+
+    def save(self, step_dir: Path) -> None:
+        self.runtime.training().run_all("save", step_dir)
+
+    def load(self, step_dir: Path) -> None:
+        self.runtime.training().run_all("load", step_dir)
+
+    def load_weights(self, step_dir: Path) -> None:
+        self.runtime.training().run_all("load_weights", step_dir)
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+class RayGeneration:
+    """Generation on the engines of a ``RayRuntime`` (the ``GenerationBackend`` interface).
+
+    Rows are split into contiguous shares, one per engine, and sampled from per-row seeds, so the
+    responses do not depend on the number of engines. A dead dedicated engine is replaced, refitted and the
+    generation retried (``retries`` times); a dead colocated engine is a dead training rank: that raises.
+    """
+
+    def __init__(self, runtime: RayRuntime, retries: int) -> None:
+        self.runtime = runtime
+        self.retries = retries
+        self.spec: WeightSpec | None = None
+        self.last_metrics: dict[str, float] = {}
+        self.restarts = 0
+        if not runtime.layout.colocated:
+            self._start_dedicated()
+
+    def _engines(self) -> RayWorkerGroup:
+        if self.runtime.layout.colocated:
+            return self.runtime.training()
+        if self.runtime.gen is None:
+            raise RuntimeError("the generation workers are shut down")
+        return self.runtime.gen
+
+    def _start_dedicated(self) -> None:
+        """Starts the engines and the refit group, then sends them the trainer's current weights."""
+        gen = self.runtime.start_generation_group()
+        train = self.runtime.training()
+        spec = train.run_all("weight_spec")[0]
+        for rank, theirs in enumerate(gen.run_all("weight_spec")):
+            if theirs != spec:
+                raise ValueError(
+                    f"generation rank {rank} expects other weights than the trainer sends "
+                    f"({len(theirs)} vs {len(spec)} tensors); both must load policy.model_name"
+                )
+        self.spec = spec
+        addr, port = train.free_port_on_rank0()
+        size = 1 + gen.world_size
+        timeout = self.runtime.call_timeout_s
+        refs = train.submit("join_refit_group", addr, port, size, timeout)
+        refs += [
+            gen.submit_to(i, "join_refit_group", addr, port, i + 1, size, timeout) for i in range(size - 1)
+        ]
+        gather(refs, timeout)
+        self._broadcast()
+
+    def _broadcast(self) -> None:
+        gen, train = self._engines(), self.runtime.training()
+        refs = train.submit("send_weights", self.spec) + gen.submit("receive_weights", self.spec)
+        gather(refs, self.runtime.call_timeout_s)
+
+    def refit(self) -> None:
+        """Makes every engine use the trainer's current weights."""
+        if self.runtime.layout.colocated:
+            self.runtime.training().run_all("refit_colocated")
+        else:
+            self._retrying(self._broadcast)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
+    ) -> list[GenerationResult]:
+        seeds = row_seeds(seed, len(prompts))
+        return self._retrying(lambda: self._generate(prompts, params, seeds))
+
+    def _generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: list[int]
+    ) -> list[GenerationResult]:
+        engines = self._engines()
+        shares = split_rows(len(prompts), engines.world_size)
+        outputs: list[WorkerOutput] = engines.run_each(
+            "generate_rows", [([list(p) for p in prompts[a:b]], params, seeds[a:b]) for a, b in shares]
+        )
+        self.last_metrics = balance_metrics(
+            "generation", [o.seconds for o in outputs], [o.tokens for o in outputs]
+        )
+        return [result for output in outputs for result in output.results]
+
+    def _retrying(self, action: Any) -> Any:
+        attempt = 0
+        while True:
+            try:
+                return action()
+            except (WorkerDiedError, WorkerTimeoutError) as exc:
+                if self.runtime.layout.colocated or attempt >= self.retries:
+                    raise
+                attempt += 1
+                self.restarts += 1
+                log.warning("generation worker failed (%s); restarting the engines, retry %d", exc, attempt)
+                start = time.perf_counter()
+                self._start_dedicated()
+                log.warning("generation engines restarted in %.1fs", time.perf_counter() - start)
+
+    def take_metrics(self) -> dict[str, float]:
+        """Per-engine throughput and imbalance of the last ``generate``, and restarts so far."""
+        metrics, self.last_metrics = self.last_metrics, {}
+        return {**metrics, "perf/generation_restarts": float(self.restarts)}

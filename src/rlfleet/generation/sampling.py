@@ -1,0 +1,85 @@
+"""Batch-invariant sampling: each response's random draws depend on its own seed only.
+
+A sampled response must not depend on which other prompts shared its batch, or on which worker generated
+it: then one generation worker and two (or a dedicated pool) give the same samples, and a run can be
+reproduced across layouts. Each row gets a seed derived from the step seed and the row's index in the
+whole step; its uniforms are drawn up front, and each token is picked by inverse-CDF sampling from the
+row's filtered distribution (temperature, top-k, top-p).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import LogitsProcessor
+
+from rlfleet.generation.interface import SamplingParams
+
+_MIX = 0x9E3779B97F4A7C15
+_MASK = (1 << 63) - 1
+
+
+def row_seeds(seed: int, count: int, offset: int = 0) -> list[int]:
+    """Seeds of rows ``offset .. offset + count - 1`` of a call seeded with ``seed`` (a splitmix64 mix)."""
+    out = []
+    for row in range(offset, offset + count):
+        z = (seed * _MIX + (row + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+        out.append((z ^ (z >> 31)) & _MASK)
+    return out
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``[B, V]`` sampling distribution: softmax of ``logits / temperature`` restricted by top-k and top-p."""
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    top_k = params.top_k or 0
+    if top_k <= 0 and params.top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if 0 < top_k < probs.shape[-1]:
+        keep[:, top_k:] = False
+    if params.top_p < 1.0:
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above
+        keep &= before < params.top_p  # the first token always stays
+    sorted_probs = sorted_probs * keep
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """``[B]`` token ids: for each row the first token whose cumulative mass exceeds ``u * total``."""
+    cdf = probs.cumsum(dim=-1)
+    target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return picked.clamp_(max=probs.shape[-1] - 1)
+
+
+class SeededRowSampler(LogitsProcessor):
+    """A logits processor that turns greedy decoding into per-row seeded sampling.
+
+    It replaces the scores with a one-hot (0 at the sampled token, -inf elsewhere), so HF's greedy search
+    emits exactly the token this processor drew.
+
+    Args:
+        seeds: One seed per row of the batch.
+        params: Temperature, top-k, top-p and the number of new tokens.
+        prompt_width: Width of the (left-padded) prompt block, to know which new token is being drawn.
+    """
+
+    def __init__(self, seeds: Sequence[int], params: SamplingParams, prompt_width: int) -> None:
+        self.params = params
+        self.prompt_width = prompt_width
+        draws = [
+            torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+            for s in seeds
+        ]
+        self.uniforms = torch.stack(draws) if draws else torch.empty((0, params.max_new_tokens))
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        position = input_ids.shape[1] - self.prompt_width
+        probs = filtered_probs(scores, self.params)
+        tokens = inverse_cdf_sample(probs, self.uniforms[:, position].to(probs.device))
+        onehot = torch.full_like(scores, float("-inf"))
+        return onehot.scatter_(-1, tokens.unsqueeze(-1), 0.0)
