@@ -20,6 +20,7 @@ from rlfleet.distributed.cluster import (
     create_node_placement_groups,
     remove_placement_groups,
 )
+from rlfleet.distributed.generation_worker import ModelSource
 from rlfleet.distributed.sharded_worker import ShardedPolicyWorker
 from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError
 from rlfleet.models.loading import load_model, load_tokenizer
@@ -131,7 +132,7 @@ def test_two_rank_fsdp_step_equals_single_process_step(ray_cluster: None, tiny_m
     initial = {name: value.clone() for name, value in single.model.state_dict().items()}
     expected = single.train(batch, LOSS, global_batch_size=4, micro_batch_size=1)
     groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
-    init = {"model_path": str(tiny_model_dir), "settings": SETTINGS}
+    init = {"source": ModelSource(str(tiny_model_dir)), "settings": SETTINGS}
     group = RayWorkerGroup(ShardedPolicyWorker, groups, init, timeout_s=TIMEOUT_S)
     try:
         lps = group.run_all("logprobs", batch, 2)
@@ -159,7 +160,8 @@ def test_sharded_checkpoint_round_trip(ray_cluster: None, tiny_model_dir: Path, 
         PolicyWorker(load_model(path, "float32"), load_tokenizer(path), SETTINGS, keep_reference=False)
     )
     groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
-    group = RayWorkerGroup(ShardedPolicyWorker, groups, {"model_path": path, "settings": SETTINGS}, TIMEOUT_S)
+    init = {"source": ModelSource(path), "settings": SETTINGS}
+    group = RayWorkerGroup(ShardedPolicyWorker, groups, init, TIMEOUT_S)
     try:
         group.run_all("train", batch, LOSS, global_batch_size=4, micro_batch_size=2)
         saved = group.run_all("full_state_dict")[0]

@@ -158,6 +158,10 @@ class RayRuntime:
             self.owns_ray = False
 
 
+class TrainingWorkerLostError(RuntimeError):
+    """A training rank died: the step cannot finish; the run resumes from its last checkpoint."""
+
+
 class RayPolicy:
     """The training ranks, seen as one policy worker (the methods of ``PolicyWorker``)."""
 
@@ -166,10 +170,19 @@ class RayPolicy:
         self.tokenizer = tokenizer
         self.has_reference = keep_reference
 
+    def _run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        try:
+            return self.runtime.training().run_all(method, *args, **kwargs)
+        except WorkerDiedError as exc:
+            raise TrainingWorkerLostError(
+                f"training {exc}. The sharded state of this step is lost; rerun the same command to resume "
+                "from the last checkpoint (checkpointing.checkpoint_dir)"
+            ) from exc
+
     def logprobs(
         self, batch: TrainBatch, micro_batch_size: int, *, reference: bool = False, temperature: float = 1.0
     ) -> Any:
-        return self.runtime.training().run_all(
+        return self._run(
             "logprobs", batch, micro_batch_size, reference=reference, temperature=temperature
         )[0]
 
@@ -182,7 +195,7 @@ class RayPolicy:
         micro_batch_size: int,
         temperature: float = 1.0,
     ) -> dict[str, float]:
-        return self.runtime.training().run_all(
+        return self._run(
             "train",
             batch,
             loss_fn,
@@ -194,18 +207,18 @@ class RayPolicy:
     def take_metrics(self, total_tokens: int) -> dict[str, float]:
         """Busy-time balance of the training ranks since the last call, which processed ``total_tokens``
         (each data-parallel rank its share; tensor-parallel peers the same rows)."""
-        seconds = self.runtime.training().run_all("take_busy_seconds")
+        seconds = self._run("take_busy_seconds")
         per_rank = total_tokens // self.runtime.layout.train_dp
         return balance_metrics("training", seconds, [per_rank] * len(seconds))
 
     def save(self, step_dir: Path) -> None:
-        self.runtime.training().run_all("save", step_dir)
+        self._run("save", step_dir)
 
     def load(self, step_dir: Path) -> None:
-        self.runtime.training().run_all("load", step_dir)
+        self._run("load", step_dir)
 
     def load_weights(self, step_dir: Path) -> None:
-        self.runtime.training().run_all("load_weights", step_dir)
+        self._run("load_weights", step_dir)
 
     def close(self) -> None:
         self.runtime.close()

@@ -127,13 +127,11 @@ class ShardedPolicyWorker:
         share = size // self.dp_size
         return start + self.dp_rank * share, start + (self.dp_rank + 1) * share
 
-    def _check_divisible(self, what: str, rows: int, micro_batch_size: int) -> None:
-        share, rest = divmod(rows, self.dp_size)
-        if rest or share % micro_batch_size:
+    def _check_divisible(self, what: str, rows: int) -> None:
+        if rows % self.dp_size:
             raise ValueError(
-                f"{what} of {rows} rows over {self.dp_size} data-parallel ranks with micro-batch "
-                f"{micro_batch_size}: it must split evenly into ranks and each rank's share into "
-                "micro-batches (every rank must run the same number of forward passes)"
+                f"{what} of {rows} rows does not split evenly over {self.dp_size} data-parallel ranks "
+                "(every rank must run the same number of forward passes)"
             )
 
     @torch.no_grad()
@@ -144,7 +142,7 @@ class ShardedPolicyWorker:
         model = self.reference if reference else self.model
         if model is None:
             raise RuntimeError("this worker keeps no reference model (keep_reference=True builds one)")
-        self._check_divisible("logprob batch", len(batch), micro_batch_size)
+        self._check_divisible("logprob batch", len(batch))
         start = time.perf_counter()
         first, stop = self._my_rows(0, len(batch))
         mine = batch_logprobs(model, batch, first, stop, micro_batch_size, temperature)
@@ -172,7 +170,7 @@ class ShardedPolicyWorker:
             raise ValueError(
                 f"batch of {len(batch)} rows does not split into global batches of {global_batch_size}"
             )
-        self._check_divisible("global batch", global_batch_size, micro_batch_size)
+        self._check_divisible("global batch", global_batch_size)
         self.model.train()
         return over_global_batches(
             batch,
