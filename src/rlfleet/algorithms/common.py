@@ -171,7 +171,9 @@ def build_verifier(cfg: MasterConfig) -> VerifierPool:
     if uses_ray(cfg):
         from rlfleet.rewards.ray_pool import RayVerifierPool  # the ray extra
 
-        return RayVerifierPool(m.reward_fn, m.num_workers, m.timeout_s)
+        # Reward checks are short CPU bursts between the model phases: they reserve no CPU, so they never
+        # wait behind the bundles the training and generation workers hold.
+        return RayVerifierPool(m.reward_fn, m.num_workers, m.timeout_s, num_cpus=0)
     return VerifierPool(m.reward_fn, m.num_workers, m.timeout_s)
 
 

@@ -161,6 +161,13 @@ class RayRuntime:
 class TrainingWorkerLostError(RuntimeError):
     """A training rank died: the step cannot finish; the run resumes from its last checkpoint."""
 
+    @classmethod
+    def from_death(cls, exc: WorkerDiedError) -> TrainingWorkerLostError:
+        return cls(
+            f"training {exc}. The sharded state of this step is lost; rerun the same command to resume "
+            "from the last checkpoint (checkpointing.checkpoint_dir)"
+        )
+
 
 class RayPolicy:
     """The training ranks, seen as one policy worker (the methods of ``PolicyWorker``)."""
@@ -174,17 +181,12 @@ class RayPolicy:
         try:
             return self.runtime.training().run_all(method, *args, **kwargs)
         except WorkerDiedError as exc:
-            raise TrainingWorkerLostError(
-                f"training {exc}. The sharded state of this step is lost; rerun the same command to resume "
-                "from the last checkpoint (checkpointing.checkpoint_dir)"
-            ) from exc
+            raise TrainingWorkerLostError.from_death(exc) from exc
 
     def logprobs(
         self, batch: TrainBatch, micro_batch_size: int, *, reference: bool = False, temperature: float = 1.0
     ) -> Any:
-        return self._run(
-            "logprobs", batch, micro_batch_size, reference=reference, temperature=temperature
-        )[0]
+        return self._run("logprobs", batch, micro_batch_size, reference=reference, temperature=temperature)[0]
 
     def train(
         self,
@@ -307,6 +309,8 @@ class RayGeneration:
             try:
                 return action()
             except (WorkerDiedError, WorkerTimeoutError) as exc:
+                if self.runtime.layout.colocated and isinstance(exc, WorkerDiedError):
+                    raise TrainingWorkerLostError.from_death(exc) from exc  # the engines are trainers
                 if self.runtime.layout.colocated or attempt >= self.retries:
                     raise
                 attempt += 1

@@ -44,11 +44,11 @@ from rlfleet.rewards.verify import VerificationTimeout, time_budget
 Item = tuple[str, str, str]
 """``(prompt, response, gold)``."""
 
-_OK, _TIMEOUT, _ERROR = 0, 1, 2
+STATUS_OK, STATUS_TIMEOUT, STATUS_ERROR = 0, 1, 2
 _READY = "ready"
-_SOFT_FRACTION = 0.8
-_MAX_WAIT_S = 1.0
-_MAX_STARTUP_FAILURES = 3
+SOFT_FRACTION = 0.8
+MAX_WAIT_S = 1.0
+MAX_STARTUP_FAILURES = 3
 _PIPELINE_DEPTH = 2
 _PRELOAD = ["rlfleet.rewards"]
 
@@ -71,15 +71,15 @@ class RewardBatch:
 # ------------------------------------------------------------------------------------------- worker side
 
 
-def _score_one(fn: RewardFn, item: Item, soft_timeout_s: float) -> tuple[int, float]:
+def score_one(fn: RewardFn, item: Item, soft_timeout_s: float) -> tuple[int, float]:
     try:
         with time_budget(soft_timeout_s):
             value = float(fn(*item))
     except VerificationTimeout:
-        return _TIMEOUT, 0.0
+        return STATUS_TIMEOUT, 0.0
     except Exception:  # any failure of the reward function is one counted 0.0
-        return _ERROR, 0.0
-    return _OK, value
+        return STATUS_ERROR, 0.0
+    return STATUS_OK, value
 
 
 def _worker_main(conn: Connection, reward: RewardFn | str, soft_timeout_s: float) -> None:
@@ -99,7 +99,7 @@ def _worker_main(conn: Connection, reward: RewardFn | str, soft_timeout_s: float
         if chunk is None:
             return
         for index, item in chunk:
-            conn.send((index, *_score_one(fn, item, soft_timeout_s)))
+            conn.send((index, *score_one(fn, item, soft_timeout_s)))
 
 
 # ------------------------------------------------------------------------------------------- parent side
@@ -115,7 +115,7 @@ class _Worker:
     deadline: float = math.inf  # of the head
 
 
-class _Batch:
+class PendingItems:
     def __init__(self, items: Sequence[Item]) -> None:
         self.items = items
         self.rewards = [0.0] * len(items)
@@ -133,13 +133,13 @@ class _Batch:
         self.pending.extendleft(reversed(indices))
 
     def record(self, index: int, status: int, value: float) -> None:
-        self.rewards[index] = value if status == _OK else 0.0
-        self.num_timeouts += status == _TIMEOUT
-        self.num_errors += status == _ERROR
+        self.rewards[index] = value if status == STATUS_OK else 0.0
+        self.num_timeouts += status == STATUS_TIMEOUT
+        self.num_errors += status == STATUS_ERROR
         self.remaining -= 1
 
 
-def _checked_reward(reward_fn: RewardFn | str) -> RewardFn | str:
+def checked_reward(reward_fn: RewardFn | str) -> RewardFn | str:
     """Fails fast, in the parent, on a reward function the workers could not load."""
     if isinstance(reward_fn, str):
         load_reward_fn(reward_fn)
@@ -195,7 +195,7 @@ class VerifierPool:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if start_method not in ("forkserver", "spawn"):
             raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
-        self._reward = _checked_reward(reward_fn)
+        self._reward = checked_reward(reward_fn)
         self._ctx = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             self._ctx.set_forkserver_preload(_PRELOAD)
@@ -214,7 +214,7 @@ class VerifierPool:
 
     def wait_ready(self) -> None:
         """Blocks until every worker has loaded the reward function (:meth:`score` does not need this)."""
-        batch = _Batch([])
+        batch = PendingItems([])
         while not all(worker.ready for worker in self._workers):
             self._wait(batch)
             self._expire(batch)
@@ -228,7 +228,7 @@ class VerifierPool:
         """
         if self._closed:
             raise RuntimeError("this VerifierPool is closed; create a new one")
-        batch = _Batch(items)
+        batch = PendingItems(items)
         try:
             while batch.remaining:
                 self._dispatch(batch)
@@ -267,7 +267,7 @@ class VerifierPool:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
             target=_worker_main,
-            args=(child_conn, self._reward, self.timeout_s * _SOFT_FRACTION),
+            args=(child_conn, self._reward, self.timeout_s * SOFT_FRACTION),
             name="rlfleet-verifier",
             daemon=True,
         )
@@ -295,7 +295,7 @@ class VerifierPool:
 
     # ----------------------------------------------------------------------------------------- the loop
 
-    def _dispatch(self, batch: _Batch) -> None:
+    def _dispatch(self, batch: PendingItems) -> None:
         for worker in self._workers:
             if not batch.pending:
                 return
@@ -311,10 +311,10 @@ class VerifierPool:
                 worker.deadline = time.monotonic() + self.timeout_s
             worker.in_flight.extend(chunk)
 
-    def _wait(self, batch: _Batch) -> None:
+    def _wait(self, batch: PendingItems) -> None:
         deadlines = [w.deadline for w in self._workers if w.in_flight]
         deadlines += [w.started + self._startup_timeout_s for w in self._workers if not w.ready]
-        timeout = min(max(min(deadlines, default=math.inf) - time.monotonic(), 0.0), _MAX_WAIT_S)
+        timeout = min(max(min(deadlines, default=math.inf) - time.monotonic(), 0.0), MAX_WAIT_S)
         sentinels = [w.process.sentinel for w in self._workers]
         ready = wait([*(w.conn for w in self._workers), *sentinels], timeout)
         workers = list(self._workers)
@@ -325,7 +325,7 @@ class VerifierPool:
             if worker in self._workers and worker.process.sentinel in ready:
                 self._on_death(worker, batch)
 
-    def _receive(self, worker: _Worker, batch: _Batch) -> None:
+    def _receive(self, worker: _Worker, batch: PendingItems) -> None:
         """Takes every message waiting on ``worker``'s pipe."""
         try:
             while worker.conn.poll():
@@ -340,14 +340,14 @@ class VerifierPool:
         except (EOFError, OSError):
             self._on_death(worker, batch)
 
-    def _on_death(self, worker: _Worker, batch: _Batch) -> None:
+    def _on_death(self, worker: _Worker, batch: PendingItems) -> None:
         in_flight, was_ready = list(worker.in_flight), worker.ready
         worker.process.join(1.0)
         code = worker.process.exitcode
         self._replace(worker)
         if not was_ready:
             batch.startup_failures += 1
-            if batch.startup_failures >= _MAX_STARTUP_FAILURES:
+            if batch.startup_failures >= MAX_STARTUP_FAILURES:
                 raise RuntimeError(
                     f"verifier workers keep exiting while starting (exit code {code}); check that the reward "
                     f"function {self._reward!r} imports and runs in a fresh Python process"
@@ -363,13 +363,13 @@ class VerifierPool:
         batch.retried.add(in_flight[0])
         batch.requeue(in_flight)
 
-    def _expire(self, batch: _Batch) -> None:
+    def _expire(self, batch: PendingItems) -> None:
         now = time.monotonic()
         for worker in list(self._workers):
             if worker.in_flight and now >= worker.deadline:
                 index, *rest = worker.in_flight
                 self._replace(worker)  # stuck where no signal reaches it: kill it
-                batch.record(index, _TIMEOUT, 0.0)
+                batch.record(index, STATUS_TIMEOUT, 0.0)
                 batch.requeue(rest)
             elif not worker.ready and now - worker.started > self._startup_timeout_s:
                 self._replace(worker)

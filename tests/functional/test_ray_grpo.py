@@ -1,0 +1,87 @@
+"""GRPO on Ray workers gives the run of one process: FSDP ranks, tensor parallelism, dedicated generation.
+
+Every run here is 2 steps of the small recipe from the same seed; sampling is batch-invariant, so the
+rollouts (and so the rewards) must be identical and the losses equal within floating-point tolerance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlfleet.algorithms.common import MACHINE_METRICS
+from rlfleet.algorithms.grpo import GRPO
+from rlfleet.logging import read_metrics
+from tests.conftest import small_grpo_config
+
+RAY = ["cluster.use_ray=true", "cluster.call_timeout_s=300", "cluster.placement_timeout_s=60"]
+TWO_STEPS = ["grpo.max_num_steps=2", "grpo.val_period=0", "policy.train_micro_batch_size=2"]
+EXACT = ("val/accuracy", "train/reward", "train/accuracy", "train/mean_response_length", "train/num_tokens")
+CLOSE = ("train/loss", "train/kl", "train/ratio", "train/grad_norm", "train/gen_logprob_error")
+
+
+def comparable(run_dir: Path) -> list[dict]:
+    """The run's logged metrics, less those that measure the machine."""
+    records = read_metrics(run_dir / "logs")
+    return [{k: v for k, v in r.items() if not k.startswith(MACHINE_METRICS)} for r in records]
+
+
+def run(model_dir: Path, run_dir: Path, *overrides: str) -> list[dict]:
+    GRPO(small_grpo_config(model_dir, run_dir, *TWO_STEPS, *overrides)).train()
+    return comparable(run_dir)
+
+
+def assert_same_run(got: list[dict], expected: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    for mine, theirs in zip(got, expected, strict=True):
+        assert set(mine) == set(theirs)
+        for key in EXACT:
+            assert mine.get(key) == theirs.get(key), (mine["step"], key)
+        for key in (k for k in CLOSE if k in theirs):
+            assert mine[key] == pytest.approx(theirs[key], rel=2e-3, abs=2e-5), (mine["step"], key)
+
+
+@pytest.fixture(scope="module")
+def single_process(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run(tiny_model_dir, tmp_path_factory.mktemp("single"))
+
+
+def test_one_and_two_fsdp_workers_match_one_process(
+    ray_cluster: None, tiny_model_dir: Path, tmp_path: Path, single_process: list[dict]
+) -> None:
+    one = run(tiny_model_dir, tmp_path / "one", *RAY)
+    two = run(tiny_model_dir, tmp_path / "two", *RAY, "cluster.gpus_per_node=2")
+    assert_same_run(one, single_process)
+    assert_same_run(two, single_process)
+    assert single_process[-1]["train/grad_norm"] > 0
+    weights = tmp_path / "two" / "ckpt" / "step_2" / "policy" / "weights"
+    assert sorted(p.name for p in weights.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def test_dedicated_generation_matches_colocated(
+    ray_cluster: None, tiny_model_dir: Path, tmp_path: Path, single_process: list[dict]
+) -> None:
+    dedicated = [
+        "cluster.gpus_per_node=2",
+        "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.resources.num_nodes=1",
+        "policy.generation.colocated.resources.gpus_per_node=1",
+    ]
+    got = run(tiny_model_dir, tmp_path / "dedicated", *RAY, *dedicated)
+    assert_same_run(got, single_process)
+    raw = read_metrics(tmp_path / "dedicated" / "logs")
+    assert raw[-1]["timing/refit"] > 0
+    assert raw[-1]["perf/generation_workers"] == 1.0 and raw[-1]["perf/training_workers"] == 1.0
+
+
+def test_tensor_parallel_two_matches_one(ray_cluster: None, tiny_tp_model_dir: Path, tmp_path: Path) -> None:
+    tp1 = run(tiny_tp_model_dir, tmp_path / "tp1", *RAY)
+    tp2 = run(
+        tiny_tp_model_dir,
+        tmp_path / "tp2",
+        *RAY,
+        "cluster.gpus_per_node=2",
+        "policy.dtensor_cfg.tensor_parallel_size=2",
+    )
+    assert_same_run(tp2, tp1)
