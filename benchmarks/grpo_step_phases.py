@@ -46,6 +46,8 @@ def phase_table(model: str, steps: int, extra: list[str]) -> tuple[dict[str, flo
     records = [r for r in read_metrics(run_dir / "logs") if "timing/total" in r][1:]  # drop warm-up step
     table = {p: statistics.mean(r.get(f"timing/{p}", 0.0) for r in records) for p in PHASES}
     table["tokens/s"] = statistics.mean(r["train/num_tokens"] / r["timing/total"] for r in records)
+    perf_keys = sorted({k for r in records for k in r if k.startswith("perf/")})
+    table.update({k: statistics.mean(r.get(k, 0.0) for r in records) for k in perf_keys})
     return table, trainer
 
 
