@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlfleet.config.capabilities import unsupported_settings, uses_ray
 from rlfleet.config.schema import ArchitectureConfig, MasterConfig
 from rlfleet.distributed.layout import ResourceLayout, compute_layout
 
@@ -82,6 +83,7 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
     dp_micro = f"DP {lay.train_dp} x micro {p.train_micro_batch_size}"
     return [
         ("cluster", _gpus(lay.num_nodes, lay.gpus_per_node)),
+        ("workers", _workers(cfg, lay)),
         ("generation", f"{where}; {lay.backend}, TP {lay.gen_tp} -> {lay.gen_engines} engine(s)"),
         (
             "training",
@@ -106,9 +108,19 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
     ]
 
 
+def _workers(cfg: MasterConfig, lay: ResourceLayout) -> str:
+    if not uses_ray(cfg):
+        return "this process (no Ray); generation shares the model"
+    text = f"Ray: {lay.train_world} training actor(s) in {lay.train_nodes} placement group(s)"
+    if lay.colocated:
+        return text + ", each also generating (refit in place)"
+    return text + f" + {lay.gen_world} generation actor(s) (refit by broadcast from training rank 0)"
+
+
 def format_plan(cfg: MasterConfig, plan: Plan, recipe: str) -> str:
     """The plan as the text ``rlfleet plan`` prints."""
     lines = [f"plan for {recipe}"] + [f"  {k:<20}{v}" for k, v in _rows(cfg, plan)]
+    lines += [f"  {'not in this build':<20}{problem}" for problem in unsupported_settings(cfg)]
     if plan.parameters is None:
         lines.append(f"  {'model':<20}no policy.architecture in the recipe: memory not estimated")
         return "\n".join(lines)

@@ -9,6 +9,7 @@ Scenarios together must read every leaf key of the schema.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,27 @@ def test_every_schema_key_is_read_by_some_component(recorded: set[str], tiny_mod
         "data.system_prompt=Be brief.",
     )
     run_eval(ReadRecorder(ev, recorded))  # type: ignore[arg-type]
+    # F: SFT on Ray, one training and one dedicated generation worker (a local Ray it starts and stops).
+    on_ray = small_grpo_config(
+        tiny_model_dir,
+        tmp_path / "f",
+        "sft.max_num_steps=1",
+        "sft.max_val_samples=4",
+        "cluster.gpus_per_node=2",
+        "cluster.use_ray=true",
+        "cluster.call_timeout_s=300",
+        "cluster.placement_timeout_s=60",
+        "cluster.generation_retries=0",
+        "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.resources.num_nodes=1",
+        "policy.generation.colocated.resources.gpus_per_node=1",
+    )
+    monkeypatch_env = os.environ.pop("RAY_ADDRESS", None)
+    try:
+        SFT(ReadRecorder(on_ray, recorded)).train()  # type: ignore[arg-type]
+    finally:
+        if monkeypatch_env is not None:
+            os.environ["RAY_ADDRESS"] = monkeypatch_env
     seed: MasterConfig = load_recipe(resolve_recipe_path("grpo-gemma3-27b-it-2n8g-fsdp2tp8-noncolocated"))
     make_plan(ReadRecorder(seed, recorded))  # type: ignore[arg-type]
 
