@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -80,3 +81,33 @@ def small_grpo_overrides(model_dir: Path, run_dir: Path) -> list[str]:
 def small_grpo_config(model_dir: Path, run_dir: Path, *extra: str) -> MasterConfig:
     path = resolve_recipe_path("grpo-tiny-arithmetic-cpu")
     return load_recipe(path, [*small_grpo_overrides(model_dir, run_dir), *extra])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` skip, with the reason, where CUDA is not available."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """A local 4-CPU Ray cluster for the module, never the one ``RAY_ADDRESS`` may name.
+
+    Runs find Ray initialised and leave it up; the fixture shuts it down after the module.
+    """
+    import ray
+
+    from rlfleet.distributed.cluster import connect_or_start
+
+    address = os.environ.pop("RAY_ADDRESS", None)
+    try:
+        connect_or_start(None, num_cpus=4, timeout_s=30.0)
+        yield
+    finally:
+        ray.shutdown()
+        if address is not None:
+            os.environ["RAY_ADDRESS"] = address

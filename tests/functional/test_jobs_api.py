@@ -174,8 +174,13 @@ def test_cli_status_logs_and_stop(
 
 
 def test_missing_or_wrong_token_gets_a_clear_message(
-    ray_head: RayHead, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ray_head: RayHead, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    # Ray's client also reads ~/.ray/auth_token by itself: a token left there by another cluster on this
+    # machine must not stand in for the missing one.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(key, raising=False)
     with pytest.raises(
         jobs.JobsApiError, match=r"HTTP 401; RAY_AUTH_MODE is not set\): export RAY_AUTH_MODE"
     ):

@@ -85,3 +85,32 @@ def test_tensor_parallel_two_matches_one(ray_cluster: None, tiny_tp_model_dir: P
         "policy.dtensor_cfg.tensor_parallel_size=2",
     )
     assert_same_run(tp2, tp1)
+
+
+def test_layout_the_cluster_cannot_hold_fails_fast_and_frees_everything(
+    ray_cluster: None, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import time
+
+    import ray
+
+    from rlfleet.distributed.cluster import ClusterCapacityError
+
+    free_before = ray.available_resources().get("CPU")
+    start = time.monotonic()
+    with pytest.raises(ClusterCapacityError, match=r"asked for 1 node\(s\) x 8 bundle\(s\)"):
+        GRPO(
+            small_grpo_config(
+                tiny_model_dir,
+                tmp_path,
+                *RAY,
+                "cluster.gpus_per_node=8",
+                "policy.train_micro_batch_size=1",
+                "cluster.placement_timeout_s=3",
+            )
+        )
+    assert time.monotonic() - start < 30
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU") != free_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == free_before
