@@ -173,23 +173,31 @@ def test_cli_status_logs_and_stop(
     assert "working" in capsys.readouterr().out
 
 
-def test_missing_or_wrong_token_gets_a_clear_message(
-    ray_head: RayHead, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    # Ray's client also reads ~/.ray/auth_token by itself: a token left there by another cluster on this
-    # machine must not stand in for the missing one.
-    monkeypatch.setenv("HOME", str(tmp_path))
-    for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        monkeypatch.delenv(key, raising=False)
-    with pytest.raises(
-        jobs.JobsApiError, match=r"HTTP 401; RAY_AUTH_MODE is not set\): export RAY_AUTH_MODE"
-    ):
-        jobs.job_status(ray_head.url, "any", env={})
-    with pytest.raises(jobs.JobsApiError, match="HTTP 403"):
-        jobs.job_status(ray_head.url, "any", env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "wrong"})
-    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    args = _parser().parse_args(["submit", "--address", ray_head.url, RECIPE, "--entrypoint", "true"])
-    assert args.func(args) == 2
-    err = capsys.readouterr().err
-    assert "requires token authentication" in err and "RAY_AUTH_TOKEN" in err
-    assert ray_head.token not in err
+def test_missing_or_wrong_token_gets_a_clear_message(ray_head: RayHead, tmp_path: Path) -> None:
+    # Each case runs in a fresh interpreter: Ray's client caches the auth mode and token per process
+    # (an earlier ray.init or RAY_AUTH_MODE in this one would stand in for the missing token), and also
+    # reads ~/.ray/auth_token, which another cluster on this machine may have written.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": str(tmp_path)}
+
+    def status_error(client_env: dict[str, str]) -> str:
+        code = (
+            "from rlfleet.deploy import jobs\n"
+            "try:\n"
+            f"    jobs.job_status({ray_head.url!r}, 'any', env={client_env!r})\n"
+            "except jobs.JobsApiError as exc:\n"
+            "    print(exc)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+        return done.stdout
+
+    assert "HTTP 401; RAY_AUTH_MODE is not set): export RAY_AUTH_MODE" in status_error({})
+    assert "HTTP 403" in status_error({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "wrong"})
+    submit = [sys.executable, "-m", "rlfleet.cli", "submit", "--address", ray_head.url, RECIPE]
+    done = subprocess.run(
+        [*submit, "--entrypoint", "true"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert "requires token authentication" in done.stderr and "RAY_AUTH_TOKEN" in done.stderr
+    assert ray_head.token not in done.stderr
