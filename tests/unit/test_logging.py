@@ -211,3 +211,10 @@ def test_truncate_after_with_tensorboard_enabled(tmp_path: Path) -> None:
         logger.log(2, {"train/reward": 20.0})
     assert read_metrics(tmp_path) == [{"step": 1, "train/reward": 1.0}, {"step": 2, "train/reward": 20.0}]
     assert _tb_events(tmp_path / "tensorboard")
+
+
+def test_step_line_shows_refit_only_when_it_took_time() -> None:
+    fast = format_step_line(1, 2, {"timing/training": 1.0, "timing/refit": 0.001})
+    slow = format_step_line(1, 2, {"timing/training": 1.0, "timing/refit": 0.25})
+    assert "refit" not in fast
+    assert slow.endswith("(train 1.0 refit 0.2)")

@@ -40,8 +40,11 @@ _TIMINGS: tuple[tuple[str, str], ...] = (
     ("timing/reward", "rew"),
     ("timing/logprobs", "lp"),
     ("timing/training", "train"),
+    ("timing/refit", "refit"),
     ("timing/checkpoint", "ckpt"),
 )
+# Shown only when they took measurable time (an in-process refit is a no-op).
+_ONLY_WHEN_SLOW = {"timing/refit": 0.05}
 
 
 def _get(metrics: Mapping[str, Any], key: str) -> float | None:
@@ -56,7 +59,11 @@ def _get(metrics: Mapping[str, Any], key: str) -> float | None:
 
 def _timing_part(metrics: Mapping[str, Any]) -> str | None:
     total = _get(metrics, "timing/total")
-    subs = [(label, _get(metrics, key)) for key, label in _TIMINGS]
+    subs = [
+        (label, value)
+        for key, label in _TIMINGS
+        if (value := _get(metrics, key)) is None or value >= _ONLY_WHEN_SLOW.get(key, 0.0)
+    ]
     sub_text = " ".join(f"{label} {value:.1f}" for label, value in subs if value is not None)
     if total is None and not sub_text:
         return None
