@@ -94,18 +94,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A local 4-CPU Ray cluster for the module, never the one ``RAY_ADDRESS`` may name.
+def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A local Ray cluster for the module, never the one ``RAY_ADDRESS`` may name.
 
+    It has ``RAY_NUM_CPUS`` CPUs (a module-level constant of the test module; default 4). The test module is
+    pickled by value, so classes and functions defined in it reach the actors without importing ``tests``.
     Runs find Ray initialised and leave it up; the fixture shuts it down after the module.
     """
     import ray
+    from ray import cloudpickle
 
     from rlfleet.distributed.cluster import connect_or_start
 
+    cloudpickle.register_pickle_by_value(request.module)
     address = os.environ.pop("RAY_ADDRESS", None)
     try:
-        connect_or_start(None, num_cpus=4, timeout_s=30.0)
+        connect_or_start(None, num_cpus=getattr(request.module, "RAY_NUM_CPUS", 4), timeout_s=30.0)
         yield
     finally:
         ray.shutdown()

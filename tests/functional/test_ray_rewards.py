@@ -4,38 +4,20 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import ray
 import ray.exceptions
-from ray import cloudpickle
 
-from rlfleet.distributed.cluster import connect_or_start
 from rlfleet.rewards import math_reward
 from rlfleet.rewards.ray_pool import RayVerifierPool
 
-NUM_CPUS = 2
+RAY_NUM_CPUS = 2
 
 pytestmark = [pytest.mark.timeout(60)]  # a pool that hangs fails instead
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A local 2-CPU Ray cluster for the module (never the one RAY_ADDRESS may name)."""
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the reward functions below
-    address = os.environ.pop("RAY_ADDRESS", None)
-    try:
-        connect_or_start(None, num_cpus=NUM_CPUS, timeout_s=30.0)
-        yield
-    finally:
-        ray.shutdown()
-        if address is not None:
-            os.environ["RAY_ADDRESS"] = address
 
 
 def faulty_math_reward(prompt: str, response: str, gold: str) -> float:
@@ -170,16 +152,16 @@ def test_close_removes_the_actors(ray_cluster: None) -> None:
     pool.wait_ready()
     actors = pool.actors
     assert len(set(pool.actor_ids())) == 2
-    assert ray.available_resources().get("CPU", 0.0) <= NUM_CPUS - 0.5
+    assert ray.available_resources().get("CPU", 0.0) <= RAY_NUM_CPUS - 0.5
     pool.close()
     pool.close()  # idempotent
     assert pool.actor_ids() == []
     with pytest.raises(RuntimeError, match="closed"):
         pool.score(GSM8K_ITEMS)
     deadline = time.monotonic() + 30.0  # ray.kill is asynchronous
-    while ray.available_resources().get("CPU", 0.0) < NUM_CPUS and time.monotonic() < deadline:
+    while ray.available_resources().get("CPU", 0.0) < RAY_NUM_CPUS and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert ray.available_resources().get("CPU", 0.0) == NUM_CPUS
+    assert ray.available_resources().get("CPU", 0.0) == RAY_NUM_CPUS
     for actor in actors:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actor.ready.remote(), timeout=30.0)

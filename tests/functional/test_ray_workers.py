@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import ray
 import torch
 import torch.distributed as dist
-from ray import cloudpickle
 
 from rlfleet.distributed.cluster import (
     ClusterCapacityError,
-    connect_or_start,
     create_node_placement_groups,
     remove_placement_groups,
 )
@@ -41,20 +36,6 @@ class RankProbe:
 
     def backend(self) -> str:
         return str(dist.get_backend())
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A local 4-CPU Ray cluster for the module (never the one RAY_ADDRESS may name)."""
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # RankProbe, without importing tests/
-    address = os.environ.pop("RAY_ADDRESS", None)
-    try:
-        connect_or_start(None, num_cpus=4, timeout_s=30.0)
-        yield
-    finally:
-        ray.shutdown()
-        if address is not None:
-            os.environ["RAY_ADDRESS"] = address
 
 
 def test_impossible_layout_fails_fast_with_request_and_resources(ray_cluster: None) -> None:

@@ -6,23 +6,17 @@ Every distributed result is compared with the same computation on one unsharded 
 from __future__ import annotations
 
 import copy
-import os
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import torch
 import transformers
-from ray import cloudpickle
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 
 from rlfleet.distributed.cluster import (
-    connect_or_start,
     create_node_placement_groups,
     remove_placement_groups,
 )
@@ -163,20 +157,6 @@ class ParallelProbe:
         except ValueError as exc:
             return str(exc)
         return ""
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A local 4-CPU Ray cluster for the module (never the one RAY_ADDRESS may name)."""
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ParallelProbe, without importing tests/
-    address = os.environ.pop("RAY_ADDRESS", None)
-    try:
-        connect_or_start(None, num_cpus=4, timeout_s=30.0)
-        yield
-    finally:
-        ray.shutdown()
-        if address is not None:
-            os.environ["RAY_ADDRESS"] = address
 
 
 def _reference_step(model_dir: Path) -> dict[str, Any]:

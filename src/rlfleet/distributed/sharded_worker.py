@@ -10,26 +10,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import PreTrainedModel
 
-from rlfleet.checkpoint import load_policy, save_policy
 from rlfleet.distributed.generation_worker import GenerationWorker, ModelSource, WorkerOutput
 from rlfleet.distributed.parallelize import build_mesh, clip_grad_norm, parallelize
 from rlfleet.distributed.refit import RefitGroup, WeightSpec, weight_spec
 from rlfleet.generation import SamplingParams
+from rlfleet.models.loading import DTYPES
 from rlfleet.policy.batch import TrainBatch
-from rlfleet.policy.logprobs import batch_logprobs, token_logprobs
+from rlfleet.policy.logprobs import batch_logprobs
 from rlfleet.policy.loss import Normalizer
-from rlfleet.policy.worker import LossFn, OptimizerSettings, over_global_batches, warmup_factor
-
-# Metrics that are not sums over micro-batches (and so are not summed over ranks).
-_NOT_SUMMED = ("lr", "grad_norm")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from rlfleet.policy.worker import LossFn, OptimizerSettings, TrainablePolicy
 
 
 @dataclass(frozen=True)
@@ -41,7 +36,7 @@ class ShardingSettings:
     generation_batch_size: int | None = None  # None: no colocated generation engine on this rank
 
 
-class ShardedPolicyWorker:
+class ShardedPolicyWorker(TrainablePolicy):
     """Holds this rank's shard of the policy (and optionally of a frozen reference) and its optimizer.
 
     Ranks form a 2-D (data-parallel x tensor-parallel) mesh; FSDP2 shards over the data-parallel axis.
@@ -76,7 +71,7 @@ class ShardedPolicyWorker:
         self.mesh = build_mesh(sharding.tensor_parallel_size, self.device.type)
         self.dp_group = self.mesh.get_group("dp")
         self.dp_rank = self.mesh["dp"].get_local_rank()
-        self.dp_size = self.mesh["dp"].size()
+        self.dp_size = self.mesh["dp"].size()  # overrides TrainablePolicy.dp_size
         self.settings = settings
         self.sharding = sharding
         self.precision = source.precision  # of the generation engines, so of the refit
@@ -87,17 +82,7 @@ class ShardedPolicyWorker:
             self.reference = self._build(source)
             self.reference.eval()
             self.reference.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=settings.lr,
-            weight_decay=settings.weight_decay,
-            betas=settings.betas,
-            eps=settings.eps,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda s: warmup_factor(s, settings.warmup_steps, settings.warmup_start_factor),
-        )
+        self._init_optimizer()
         self.generator: GenerationWorker | None = None
         if sharding.generation_batch_size is not None:
             self.generator = GenerationWorker(source, sharding.generation_batch_size)
@@ -109,7 +94,7 @@ class ShardedPolicyWorker:
         # GPU: float32 master weights, compute in the configured dtype (FSDP2 mixed precision)
         master = ModelSource(source.model_name, "float32", source.gguf_file, source.tokenizer_name)
         model = (master if on_gpu else source).load_model().to(self.device)
-        param_dtype = _DTYPES[source.precision] if on_gpu and source.precision != "float32" else None
+        param_dtype = DTYPES[source.precision] if on_gpu and source.precision != "float32" else None
         return parallelize(
             model,
             self.mesh,
@@ -151,33 +136,6 @@ class ShardedPolicyWorker:
         dist.all_gather(parts, mine.to(self.device), group=self.dp_group)
         return torch.cat([p.cpu() for p in parts]).to(batch.response_mask.dtype)
 
-    def train(
-        self,
-        batch: TrainBatch,
-        loss_fn: LossFn,
-        *,
-        global_batch_size: int,
-        micro_batch_size: int,
-        temperature: float = 1.0,
-    ) -> dict[str, float]:
-        """One optimizer step per ``global_batch_size`` rows of the (whole, identical on every rank) batch.
-
-        Returns metrics averaged over the optimizer steps, summed over data-parallel ranks as
-        ``PolicyWorker`` sums them over micro-batches: the loss function's metrics plus ``grad_norm`` and
-        ``lr``. Same on every rank.
-        """
-        if len(batch) % global_batch_size:
-            raise ValueError(
-                f"batch of {len(batch)} rows does not split into global batches of {global_batch_size}"
-            )
-        self._check_divisible("global batch", global_batch_size)
-        self.model.train()
-        return over_global_batches(
-            batch,
-            global_batch_size,
-            lambda gb: self._optimizer_step(gb, loss_fn, micro_batch_size, temperature),
-        )
-
     def _all_reduce(self, values: list[float]) -> list[float]:
         """Sums over the data-parallel ranks (tensor-parallel peers hold the same rows)."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -191,27 +149,15 @@ class ShardedPolicyWorker:
         batch = global_batch.select(first, stop)
         tokens, rows = self._all_reduce([float(batch.response_mask.sum()), float(len(batch))])
         norm = Normalizer(num_tokens=tokens, num_sequences=rows)
-        metrics: dict[str, float] = {}
         start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        for offset in range(0, len(batch), micro_batch_size):
-            mb = batch.select(offset, offset + micro_batch_size).to(self.device)
-            lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask, temperature)
-            loss, mb_metrics = loss_fn(lp, mb, norm)
-            # FSDP averages gradients over data-parallel ranks; each rank's loss is already its share of
-            # the global loss, so undo the average.
-            (loss * self.dp_size).backward()
-            for key, value in mb_metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + value
+        # FSDP averages gradients over data-parallel ranks; each rank's loss is already its share of the
+        # global loss, so undo the average.
+        metrics = self._accumulate(batch, loss_fn, norm, micro_batch_size, temperature, self.dp_size)
         self.busy_seconds += time.perf_counter() - start
-        keys = sorted(k for k in metrics if k not in _NOT_SUMMED)
+        keys = sorted(metrics)
         metrics = dict(zip(keys, self._all_reduce([metrics[k] for k in keys]), strict=True))
-        metrics["grad_norm"] = clip_grad_norm(self.model.parameters(), self.settings.max_grad_norm)
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return metrics
+        grad_norm = clip_grad_norm(self.model.parameters(), self.settings.max_grad_norm)
+        return self._apply_update(metrics, grad_norm)
 
     def take_busy_seconds(self) -> float:
         """Seconds this rank spent computing (logprobs and training) since the last call."""
@@ -250,7 +196,7 @@ class ShardedPolicyWorker:
         if self.rank == 0:
             if self.refit_group is not None:
                 self.refit_group.close()
-            dtype = _DTYPES[self.precision]
+            dtype = DTYPES[self.precision]
             self.refit_group = RefitGroup(master_addr, master_port, 0, size, timeout_s, dtype)
 
     def send_weights(self, spec: WeightSpec) -> None:
@@ -260,17 +206,3 @@ class ShardedPolicyWorker:
             if self.refit_group is None:
                 raise RuntimeError("join_refit_group must run before send_weights")
             self.refit_group.send(state, spec)
-
-    # ---------------------------------------------------------------------------- checkpoints
-
-    def save(self, step_dir: Path) -> None:
-        """Writes the policy checkpoint (DCP, collective: one ``__<rank>_0.distcp`` per rank)."""
-        save_policy(step_dir, self.model, self.optimizer, self.scheduler, self.tokenizer)
-
-    def load(self, step_dir: Path) -> None:
-        """Restores weights, optimizer and scheduler written by ``save``, on any world size (collective)."""
-        load_policy(step_dir, self.model, self.optimizer, self.scheduler)
-
-    def load_weights(self, step_dir: Path) -> None:
-        """Restores the weights only (collective)."""
-        load_policy(step_dir, self.model)

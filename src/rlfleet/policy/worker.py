@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +54,117 @@ def warmup_factor(step: int, warmup_steps: int, start_factor: float) -> float:
     return start_factor + (1.0 - start_factor) * step / warmup_steps
 
 
-class PolicyWorker:
+class TrainablePolicy(ABC):
+    """What the in-process and the sharded policy workers share: optimizer, update, checkpoints.
+
+    A subclass sets ``model``, ``tokenizer``, ``settings``, ``reference`` and ``device``, then calls
+    ``_init_optimizer``.
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    settings: OptimizerSettings
+    reference: PreTrainedModel | None
+    device: torch.device
+
+    def _init_optimizer(self) -> None:
+        """AdamW with a linear warm-up of the learning rate."""
+        s = self.settings
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=s.lr, weight_decay=s.weight_decay, betas=s.betas, eps=s.eps
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: warmup_factor(step, s.warmup_steps, s.warmup_start_factor)
+        )
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
+
+    dp_size = 1  # data-parallel ranks that split each global batch (the sharded worker sets its own)
+
+    def train(
+        self,
+        batch: TrainBatch,
+        loss_fn: LossFn,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
+        """One optimizer step per ``global_batch_size`` rows of ``batch``, accumulating micro-batches.
+
+        Under data parallelism every rank receives the whole batch and trains on its share of each global
+        batch. Returns metrics averaged over the optimizer steps (summed over micro-batches and ranks): the
+        loss function's metrics plus ``grad_norm`` and ``lr``; the same on every rank.
+        """
+        if len(batch) % global_batch_size or global_batch_size % self.dp_size:
+            raise ValueError(
+                f"batch of {len(batch)} rows, global batch {global_batch_size}, {self.dp_size} "
+                "data-parallel rank(s): the batch must split into global batches and each global batch "
+                "evenly over the ranks (every rank must run the same number of forward passes)"
+            )
+        self.model.train()
+        return over_global_batches(
+            batch,
+            global_batch_size,
+            lambda gb: self._optimizer_step(gb, loss_fn, micro_batch_size, temperature),
+        )
+
+    @abstractmethod
+    def _optimizer_step(
+        self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int, temperature: float
+    ) -> dict[str, float]:
+        """One optimizer step on one global batch (each worker normalises, reduces and clips its own way)."""
+
+    def _accumulate(
+        self,
+        batch: TrainBatch,
+        loss_fn: LossFn,
+        norm: Normalizer,
+        micro_batch_size: int,
+        temperature: float,
+        loss_scale: float = 1.0,
+    ) -> dict[str, float]:
+        """Zeroes the gradients, then backpropagates ``batch`` micro-batch by micro-batch.
+
+        Returns the loss function's metrics summed over the micro-batches.
+        """
+        metrics: dict[str, float] = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        for start in range(0, len(batch), micro_batch_size):
+            mb = batch.select(start, start + micro_batch_size).to(self.device)
+            lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask, temperature)
+            loss, mb_metrics = loss_fn(lp, mb, norm)
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            for key, value in mb_metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + value
+        return metrics
+
+    def _apply_update(self, metrics: dict[str, float], grad_norm: float) -> dict[str, float]:
+        """Steps the optimizer and the schedule (gradients already clipped); adds ``lr`` and ``grad_norm``."""
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics["grad_norm"] = grad_norm
+        return metrics
+
+    def save(self, step_dir: Path) -> None:
+        """Writes ``step_dir/policy/{weights,optimizer,scheduler.pt,tokenizer}`` (DCP layout; collective
+        under a process group: one ``__<rank>_0.distcp`` per rank)."""
+        save_policy(step_dir, self.model, self.optimizer, self.scheduler, self.tokenizer)
+
+    def load(self, step_dir: Path) -> None:
+        """Restores weights, optimizer and scheduler written by ``save``, on any world size."""
+        load_policy(step_dir, self.model, self.optimizer, self.scheduler)
+
+    def load_weights(self, step_dir: Path) -> None:
+        """Restores the weights only (evaluation of a checkpoint)."""
+        load_policy(step_dir, self.model)
+
+
+class PolicyWorker(TrainablePolicy):
     """Computes logprobs and applies optimizer steps for one model replica (or shard).
 
     Args:
@@ -74,22 +185,9 @@ class PolicyWorker:
         self.model = model
         self.tokenizer = tokenizer
         self.settings = settings
+        self.device = model.device
         self.reference = self._frozen_copy(model) if keep_reference else None
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=settings.lr,
-            weight_decay=settings.weight_decay,
-            betas=settings.betas,
-            eps=settings.eps,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda s: warmup_factor(s, settings.warmup_steps, settings.warmup_start_factor),
-        )
-
-    @property
-    def has_reference(self) -> bool:
-        return self.reference is not None
+        self._init_optimizer()
 
     def take_metrics(self, total_tokens: int) -> dict[str, float]:
         """Per-worker balance metrics (Ray workers report them; one in-process worker has none)."""
@@ -117,64 +215,11 @@ class PolicyWorker:
             batch.response_mask.dtype
         )
 
-    def train(
-        self,
-        batch: TrainBatch,
-        loss_fn: LossFn,
-        *,
-        global_batch_size: int,
-        micro_batch_size: int,
-        temperature: float = 1.0,
-    ) -> dict[str, float]:
-        """One optimizer step per ``global_batch_size`` rows of ``batch``, accumulating micro-batches.
-
-        Returns metrics averaged over the optimizer steps: the loss function's metrics plus ``grad_norm``
-        and ``lr``.
-        """
-        if len(batch) % global_batch_size or global_batch_size % micro_batch_size:
-            raise ValueError(
-                f"batch of {len(batch)} rows, global batch {global_batch_size}, "
-                f"micro-batch {micro_batch_size}: "
-                "the batch must split into global batches and each global batch into micro-batches"
-            )
-        self.model.train()
-        return over_global_batches(
-            batch,
-            global_batch_size,
-            lambda gb: self._optimizer_step(gb, loss_fn, micro_batch_size, temperature),
-        )
-
     def _optimizer_step(
         self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int, temperature: float
     ) -> dict[str, float]:
-        mask = batch.response_mask
-        norm = Normalizer(num_tokens=float(mask.sum()), num_sequences=float(len(batch)))
-        metrics: dict[str, float] = {}
-        self.optimizer.zero_grad(set_to_none=True)
-        for start in range(0, len(batch), micro_batch_size):
-            mb = batch.select(start, start + micro_batch_size).to(self.model.device)
-            lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask, temperature)
-            loss, mb_metrics = loss_fn(lp, mb, norm)
-            loss.backward()
-            for key, value in mb_metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + value
+        norm = Normalizer(num_tokens=float(batch.response_mask.sum()), num_sequences=float(len(batch)))
+        metrics = self._accumulate(batch, loss_fn, norm, micro_batch_size, temperature)
         max_norm = self.settings.max_grad_norm if self.settings.max_grad_norm is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics["grad_norm"] = float(grad_norm)
-        return metrics
-
-    def save(self, step_dir: Path) -> None:
-        """Writes ``step_dir/policy/{weights,optimizer,scheduler.pt,tokenizer}`` (DCP layout)."""
-        save_policy(step_dir, self.model, self.optimizer, self.scheduler, self.tokenizer)
-
-    def load(self, step_dir: Path) -> None:
-        """Restores weights, optimizer and scheduler written by ``save``."""
-        load_policy(step_dir, self.model, self.optimizer, self.scheduler)
-
-    def load_weights(self, step_dir: Path) -> None:
-        """Restores the weights only (evaluation of a checkpoint)."""
-        load_policy(step_dir, self.model)
+        return self._apply_update(metrics, float(grad_norm))
