@@ -15,10 +15,9 @@ from rlfleet.distributed.cluster import (
     create_node_placement_groups,
     remove_placement_groups,
 )
-from rlfleet.distributed.generation_worker import ModelSource
 from rlfleet.distributed.sharded_worker import ShardedPolicyWorker
 from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError
-from rlfleet.models.loading import load_model, load_tokenizer
+from rlfleet.models.loading import ModelSource, load_model, load_tokenizer
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker

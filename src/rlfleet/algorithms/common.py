@@ -26,13 +26,13 @@ from rlfleet.data import (
     load_task,
     resolve_system_prompt,
 )
-from rlfleet.distributed.generation_worker import ModelSource
 from rlfleet.distributed.layout import compute_layout
 from rlfleet.distributed.sharded_worker import ShardingSettings
 from rlfleet.generation import GenerationBackend, HFGenerationBackend, SamplingParams
 from rlfleet.logging import MetricsLogger, Progress, format_step_line, plot_run, read_metrics
+from rlfleet.models.loading import ModelSource
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
-from rlfleet.rewards import VerifierPool
+from rlfleet.rewards import ScoringPool, VerifierPool
 
 log = logging.getLogger("rlfleet")
 STEP_RECORD = "step_record"  # training_info.json key holding the step's metrics.jsonl record
@@ -162,7 +162,7 @@ class EvalResult:
         }
 
 
-def build_verifier(cfg: MasterConfig) -> VerifierPool:
+def build_verifier(cfg: MasterConfig) -> ScoringPool:
     """The reward workers, ``env.math.num_workers`` of them, each response bounded by ``timeout_s``.
 
     Ray actors (restarted when they die) when the run is on Ray, else local processes.
@@ -180,7 +180,7 @@ def build_verifier(cfg: MasterConfig) -> VerifierPool:
 def evaluate(
     backend: GenerationBackend,
     prompts: Sequence[Prompt],
-    verifier: VerifierPool,
+    verifier: ScoringPool,
     params: SamplingParams,
     seed: int,
     num_samples_to_keep: int = 4,
@@ -209,7 +209,7 @@ class RunContext:
     loader: ResumableLoader[Any]
     logger: MetricsLogger
     checkpoints: CheckpointManager | None
-    verifier: VerifierPool
+    verifier: ScoringPool
     total_steps: int
     step: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
@@ -227,7 +227,7 @@ class RunContext:
 def make_context(
     cfg: MasterConfig,
     worker: PolicyWorker,
-    verifier: VerifierPool,
+    verifier: ScoringPool,
     items: Sequence[Any],
     batch_size: int,
     *,

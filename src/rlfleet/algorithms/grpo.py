@@ -32,7 +32,7 @@ from rlfleet.data import Prompt
 from rlfleet.generation import GenerationBackend, GenerationResult, SamplingParams
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
-from rlfleet.rewards import RewardBatch, VerifierPool
+from rlfleet.rewards import RewardBatch, ScoringPool
 from rlfleet.utils.timing import PhaseTimer
 
 
@@ -55,7 +55,7 @@ def generate_rollouts(
 
 
 def score(
-    pairs: Sequence[tuple[Prompt, GenerationResult]], verifier: VerifierPool
+    pairs: Sequence[tuple[Prompt, GenerationResult]], verifier: ScoringPool
 ) -> tuple[list[Rollout], RewardBatch]:
     """Rewards every response with the verifier pool (bounded time per response)."""
     batch = verifier.score([(p.text, r.text, p.example.gold) for p, r in pairs])

@@ -12,29 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from rlfleet.distributed.refit import RefitGroup, WeightSpec, weight_spec
 from rlfleet.generation import GenerationResult, HFGenerationBackend, SamplingParams
-from rlfleet.models.loading import load_model, load_tokenizer
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a worker loads the policy from (the fields of ``policy`` that name it)."""
-
-    model_name: str
-    precision: str = "float32"
-    gguf_file: str | None = None
-    tokenizer_name: str | None = None
-
-    def load_tokenizer(self) -> PreTrainedTokenizerBase:
-        if self.tokenizer_name:
-            return load_tokenizer(self.tokenizer_name)
-        return load_tokenizer(self.model_name, self.gguf_file)
-
-    def load_model(self) -> torch.nn.Module:
-        return load_model(self.model_name, self.precision, self.gguf_file)
+from rlfleet.models.loading import ModelSource
 
 
 @dataclass(frozen=True)

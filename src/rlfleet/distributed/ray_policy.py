@@ -24,13 +24,14 @@ from rlfleet.distributed.cluster import (
     create_node_placement_groups,
     remove_placement_groups,
 )
-from rlfleet.distributed.generation_worker import GenerationWorker, ModelSource, WorkerOutput
+from rlfleet.distributed.generation_worker import GenerationWorker, WorkerOutput
 from rlfleet.distributed.layout import ResourceLayout
 from rlfleet.distributed.refit import WeightSpec
 from rlfleet.distributed.sharded_worker import ShardedPolicyWorker, ShardingSettings
 from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError, WorkerTimeoutError, gather
 from rlfleet.generation import GenerationResult, SamplingParams
 from rlfleet.generation.sampling import row_seeds
+from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.worker import LossFn, OptimizerSettings
 

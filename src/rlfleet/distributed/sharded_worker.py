@@ -16,11 +16,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import PreTrainedModel
 
-from rlfleet.distributed.generation_worker import GenerationWorker, ModelSource, WorkerOutput
+from rlfleet.distributed.generation_worker import GenerationWorker, WorkerOutput
 from rlfleet.distributed.parallelize import build_mesh, clip_grad_norm, parallelize
 from rlfleet.distributed.refit import RefitGroup, WeightSpec, weight_spec
 from rlfleet.generation import SamplingParams
-from rlfleet.models.loading import DTYPES
+from rlfleet.models.loading import DTYPES, ModelSource
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.logprobs import batch_logprobs
 from rlfleet.policy.loss import Normalizer

@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -83,3 +84,22 @@ def load_model(name_or_path: str, precision: str, gguf_file: str | None = None) 
         model = plain
     model.config.use_cache = False
     return model
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a worker loads the policy from (the fields of ``policy`` that name it)."""
+
+    model_name: str
+    precision: str = "float32"
+    gguf_file: str | None = None
+    tokenizer_name: str | None = None
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        """``policy.tokenizer.name`` when set, else the model's own tokenizer."""
+        if self.tokenizer_name:
+            return load_tokenizer(self.tokenizer_name)
+        return load_tokenizer(self.model_name, self.gguf_file)
+
+    def load_model(self) -> PreTrainedModel:
+        return load_model(self.model_name, self.precision, self.gguf_file)

@@ -2,18 +2,20 @@
 
 :func:`math_reward` checks a final answer (``#### N``, ``\\boxed{}``, a last number) against the gold, exactly
 for plain numbers and with HF math-verify otherwise; :class:`VerifierPool` runs any reward function over a
-batch in worker processes with a per-response time bound.
+batch in worker processes with a per-response time bound (``rewards.ray_pool.RayVerifierPool`` in Ray
+actors; both are :class:`ScoringPool`).
 """
 
 from __future__ import annotations
 
 from rlfleet.rewards.loading import RewardFn, load_reward_fn
 from rlfleet.rewards.math import extract_answer, extract_gold, math_reward
-from rlfleet.rewards.pool import RewardBatch, VerifierPool
+from rlfleet.rewards.pool import RewardBatch, ScoringPool, VerifierPool
 
 __all__ = [
     "RewardBatch",
     "RewardFn",
+    "ScoringPool",
     "VerifierPool",
     "extract_answer",
     "extract_gold",

@@ -30,13 +30,14 @@ import multiprocessing
 import pickle
 import signal
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from types import TracebackType
-from typing import Literal
+from typing import Literal, Self
 
 from rlfleet.rewards.loading import RewardFn, load_reward_fn
 from rlfleet.rewards.verify import VerificationTimeout, time_budget
@@ -156,7 +157,97 @@ def checked_reward(reward_fn: RewardFn | str) -> RewardFn | str:
     return reward_fn
 
 
-class VerifierPool:
+class ScoringPool(ABC):
+    """The loop both verifier pools share: dispatch items to workers, collect, expire the late ones.
+
+    A subclass supplies the workers (processes or Ray actors) through the abstract methods.
+
+    Args:
+        reward_fn: A top-level reward function or its dotted path (``env.math.reward_fn``).
+        num_workers: Workers (>= 1).
+        timeout_s: Wall-clock bound on one response.
+
+    Raises:
+        ValueError: A bad argument, or a reward function that cannot be imported or sent to a worker.
+    """
+
+    def __init__(self, reward_fn: RewardFn | str, num_workers: int, timeout_s: float) -> None:
+        if num_workers < 1:
+            raise ValueError(
+                f"num_workers must be >= 1, got {num_workers}: responses are checked in workers so that a "
+                "stuck check can be killed"
+            )
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self._reward = checked_reward(reward_fn)
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self._closed = False
+
+    def score(self, items: Sequence[Item]) -> RewardBatch:
+        """Scores ``(prompt, response, gold)`` items; rewards come back in input order.
+
+        Raises:
+            RuntimeError: The pool is closed, or its workers keep failing (see the subclass).
+        """
+        if self._closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed; create a new one")
+        batch = self._new_batch(items)
+        try:
+            while batch.remaining:
+                self._dispatch(batch)
+                self._wait(batch)
+                self._expire(batch)
+        except BaseException:
+            self._abandon_in_flight()  # no stale result or busy worker may reach the next batch
+            raise
+        return RewardBatch(batch.rewards, batch.num_timeouts, batch.num_errors)
+
+    def wait_ready(self) -> None:
+        """Blocks until every worker has loaded the reward function (:meth:`score` does not need this)."""
+        batch = self._new_batch([])
+        while not self._all_ready():
+            self._wait(batch)
+            self._expire(batch)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stops the workers (idempotent)."""
+
+    @abstractmethod
+    def _new_batch(self, items: Sequence[Item]) -> PendingItems:
+        """The bookkeeping of one ``score`` call."""
+
+    @abstractmethod
+    def _all_ready(self) -> bool:
+        """Whether every worker has started."""
+
+    @abstractmethod
+    def _dispatch(self, batch: PendingItems) -> None:
+        """Hands pending items to idle workers."""
+
+    @abstractmethod
+    def _wait(self, batch: PendingItems) -> None:
+        """Waits (briefly) for results and records them."""
+
+    @abstractmethod
+    def _expire(self, batch: PendingItems) -> None:
+        """Replaces workers past their deadline, recording or requeueing their items."""
+
+    @abstractmethod
+    def _abandon_in_flight(self) -> None:
+        """After an error inside ``score``: drops what is in flight so the next call starts clean."""
+
+
+class VerifierPool(ScoringPool):
     """Scores ``(prompt, response, gold)`` batches in worker processes, each response within ``timeout_s``.
 
     Example:
@@ -186,23 +277,13 @@ class VerifierPool:
         start_method: Literal["forkserver", "spawn"] = "forkserver",
         startup_timeout_s: float = 60.0,
     ) -> None:
-        if num_workers < 1:
-            raise ValueError(
-                f"num_workers must be >= 1, got {num_workers}: responses are checked in worker processes so "
-                "that a stuck check can be killed"
-            )
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        super().__init__(reward_fn, num_workers, timeout_s)
         if start_method not in ("forkserver", "spawn"):
             raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
-        self._reward = checked_reward(reward_fn)
         self._ctx = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             self._ctx.set_forkserver_preload(_PRELOAD)
-        self.num_workers = num_workers
-        self.timeout_s = float(timeout_s)
         self._startup_timeout_s = startup_timeout_s
-        self._closed = False
         self._workers = [self._start_worker() for _ in range(num_workers)]
 
     # -------------------------------------------------------------------------------------------- public
@@ -212,32 +293,11 @@ class VerifierPool:
         """Process ids of the current workers (they change when a worker is replaced)."""
         return [worker.process.pid for worker in self._workers]
 
-    def wait_ready(self) -> None:
-        """Blocks until every worker has loaded the reward function (:meth:`score` does not need this)."""
-        batch = PendingItems([])
-        while not all(worker.ready for worker in self._workers):
-            self._wait(batch)
-            self._expire(batch)
+    def _new_batch(self, items: Sequence[Item]) -> PendingItems:
+        return PendingItems(items)
 
-    def score(self, items: Sequence[Item]) -> RewardBatch:
-        """Scores ``(prompt, response, gold)`` items; rewards come back in input order.
-
-        Raises:
-            RuntimeError: The pool is closed, workers keep dying while starting, or a worker died twice on
-                the same response.
-        """
-        if self._closed:
-            raise RuntimeError("this VerifierPool is closed; create a new one")
-        batch = PendingItems(items)
-        try:
-            while batch.remaining:
-                self._dispatch(batch)
-                self._wait(batch)
-                self._expire(batch)
-        except BaseException:
-            self._abandon_in_flight()  # no stale result may reach the next batch
-            raise
-        return RewardBatch(batch.rewards, batch.num_timeouts, batch.num_errors)
+    def _all_ready(self) -> bool:
+        return all(worker.ready for worker in self._workers)
 
     def close(self) -> None:
         """Stops the workers (idempotent)."""
@@ -252,14 +312,6 @@ class VerifierPool:
             worker.process.join(max(0.0, deadline - time.monotonic()))
             self._stop(worker)
         self._workers = []
-
-    def __enter__(self) -> VerifierPool:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     # ------------------------------------------------------------------------------------------- workers
 

@@ -16,7 +16,6 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 import ray
@@ -31,8 +30,7 @@ from rlfleet.rewards.pool import (
     STATUS_TIMEOUT,
     Item,
     PendingItems,
-    RewardBatch,
-    checked_reward,
+    ScoringPool,
     score_one,
 )
 
@@ -59,8 +57,9 @@ class _VerifierActor:
 
 
 class _RetryBatch(PendingItems):
-    def __init__(self, items: Sequence[Item]) -> None:
+    def __init__(self, items: Sequence[Item], chunk_size: int) -> None:
         super().__init__(items)
+        self.chunk_size = chunk_size
         self.attempts: dict[int, int] = {}  # failed runs of an item sent alone
         self.alone: set[int] = set()  # items of a failed chunk: from now on sent one at a time
 
@@ -78,7 +77,7 @@ class _Slot:
         return self.ready_ref is not None
 
 
-class RayVerifierPool:
+class RayVerifierPool(ScoringPool):
     """Scores ``(prompt, response, gold)`` batches in Ray actors, each response within ``timeout_s``.
 
     A drop-in for :class:`VerifierPool` where Ray is already initialised (the caller connects).
@@ -112,15 +111,9 @@ class RayVerifierPool:
     ) -> None:
         if not ray.is_initialized():
             raise RuntimeError("RayVerifierPool needs Ray initialised first (connect_or_start or ray.init)")
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if max_retries < 0 or (chunk_size is not None and chunk_size < 1):
             raise ValueError(f"need max_retries >= 0 and chunk_size >= 1, got {max_retries}, {chunk_size}")
-        self._reward = checked_reward(reward_fn)
-        self.num_workers = num_workers
-        self.timeout_s = float(timeout_s)
+        super().__init__(reward_fn, num_workers, timeout_s)
         self.max_retries = max_retries
         self.num_restarts = 0
         self._chunk_size = chunk_size
@@ -128,7 +121,6 @@ class RayVerifierPool:
         self._startup_timeout_s = startup_timeout_s
         options = {"num_cpus": num_cpus, "max_restarts": 0, "max_task_retries": 0}
         self._remote = ray.remote(_VerifierActor).options(**options)
-        self._closed = False
         self._slots = [self._start() for _ in range(num_workers)]
 
     # -------------------------------------------------------------------------------------------- public
@@ -142,34 +134,17 @@ class RayVerifierPool:
         """Ray ids (hex) of the current actors."""
         return [slot.actor._actor_id.hex() for slot in self._slots]
 
-    def wait_ready(self) -> None:
-        """Blocks until every actor has loaded the reward function (:meth:`score` does not need this)."""
-        batch = _RetryBatch([])
-        while any(slot.starting for slot in self._slots):
-            self._wait(batch)
-            self._expire(batch)
-
-    def score(self, items: Sequence[Item]) -> RewardBatch:
-        """Scores ``(prompt, response, gold)`` items; rewards come back in input order.
-
-        Raises:
-            RuntimeError: The pool is closed, or actors keep failing to start.
-        """
-        if self._closed:
-            raise RuntimeError("this RayVerifierPool is closed; create a new one")
-        batch = _RetryBatch(items)
+    def _new_batch(self, items: Sequence[Item]) -> _RetryBatch:
         size = self._chunk_size or max(1, min(16, math.ceil(len(items) / (4 * self.num_workers))))
-        try:
-            while batch.remaining:
-                self._dispatch(batch, size)
-                self._wait(batch)
-                self._expire(batch)
-        except BaseException:
-            for slot in list(self._slots):  # a busy actor would delay (and time out) the next batch
-                if slot.chunk:
-                    self._replace(slot)
-            raise
-        return RewardBatch(batch.rewards, batch.num_timeouts, batch.num_errors)
+        return _RetryBatch(items, size)
+
+    def _all_ready(self) -> bool:
+        return not any(slot.starting for slot in self._slots)
+
+    def _abandon_in_flight(self) -> None:
+        for slot in list(self._slots):  # a busy actor would delay (and time out) the next batch
+            if slot.chunk:
+                self._replace(slot)
 
     def close(self) -> None:
         """Kills the actors (idempotent)."""
@@ -180,14 +155,6 @@ class RayVerifierPool:
             for slot in self._slots:
                 ray.kill(slot.actor, no_restart=True)
         self._slots = []
-
-    def __enter__(self) -> RayVerifierPool:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     # -------------------------------------------------------------------------------------------- actors
 
@@ -202,7 +169,7 @@ class RayVerifierPool:
 
     # ------------------------------------------------------------------------------------------ the loop
 
-    def _dispatch(self, batch: _RetryBatch, size: int) -> None:
+    def _dispatch(self, batch: _RetryBatch) -> None:
         for slot in self._slots:
             if not batch.pending:
                 return
@@ -210,7 +177,7 @@ class RayVerifierPool:
                 continue
             chunk = [batch.pending.popleft()]
             if chunk[0] not in batch.alone:
-                while batch.pending and len(chunk) < size and batch.pending[0] not in batch.alone:
+                while batch.pending and len(chunk) < batch.chunk_size and batch.pending[0] not in batch.alone:
                     chunk.append(batch.pending.popleft())
             slot.chunk = chunk
             slot.ref = slot.actor.score.remote([batch.items[index] for index in chunk])
