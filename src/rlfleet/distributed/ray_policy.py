@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,7 @@ class RayRuntime:
         layout: Where training and generation run (``compute_layout``).
         source: The policy to load.
         settings: Optimizer settings of the training ranks.
-        sharding: Tensor parallelism and activation checkpointing (``generation_batch_size`` is set here).
+        sharding: Tensor parallelism and activation checkpointing (its generation batch is set here).
         generation_batch_size: Prompts per ``generate`` call in each engine.
         keep_reference: Training ranks also hold the frozen reference policy.
         seed: Seeds the training ranks.
@@ -110,9 +111,7 @@ class RayRuntime:
             init = {
                 "source": source,
                 "settings": settings,
-                "sharding": ShardingSettings(
-                    sharding.tensor_parallel_size, sharding.activation_checkpointing, colocated_batch
-                ),
+                "sharding": replace(sharding, generation_batch_size=colocated_batch),
                 "keep_reference": keep_reference,
                 "seed": seed,
             }
