@@ -205,15 +205,22 @@ def _run_group(
     return results
 
 
-def test_tensor_parallel_step_equals_single_process(ray_cluster: None, tiny_tp_model_dir: Path) -> None:
-    ids, mask = _batch()
-    calls = [
+def _with_and_without_checkpointing(ids: torch.Tensor, mask: torch.Tensor) -> list[tuple[str, tuple]]:
+    """Probe calls: build a plain and a checkpointed model, step both, gather both states."""
+    return [
         ("build", ("plain", False)),
         ("build", ("checkpointed", True)),
         ("step", ("plain", ids, mask)),
         ("step", ("checkpointed", ids, mask)),
         ("full_state_dict", ("plain",)),
         ("full_state_dict", ("checkpointed",)),
+    ]
+
+
+def test_tensor_parallel_step_equals_single_process(ray_cluster: None, tiny_tp_model_dir: Path) -> None:
+    ids, mask = _batch()
+    calls = [
+        *_with_and_without_checkpointing(ids, mask),
         ("architecture_logit_errors", ()),
         ("parallelize_error", (1,)),
         ("build_mesh_error", (3,)),
@@ -237,14 +244,7 @@ def test_activation_checkpointing_under_fsdp_keeps_the_step(
     ray_cluster: None, tiny_tp_model_dir: Path
 ) -> None:
     ids, mask = _batch()
-    calls = [
-        ("build", ("plain", False)),
-        ("build", ("checkpointed", True)),
-        ("step", ("plain", ids, mask)),
-        ("step", ("checkpointed", ids, mask)),
-        ("full_state_dict", ("plain",)),
-        ("full_state_dict", ("checkpointed",)),
-    ]
+    calls = _with_and_without_checkpointing(ids, mask)
     results = [per_rank[0] for per_rank in _run_group(tiny_tp_model_dir, 1, calls)[2:]]
     plain, checkpointed, plain_state, checkpointed_state = results
     assert (plain["calls"], checkpointed["calls"]) == (1, 2)

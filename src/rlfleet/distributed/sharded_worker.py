@@ -124,9 +124,7 @@ class ShardedPolicyWorker(TrainablePolicy):
         self, batch: TrainBatch, micro_batch_size: int, *, reference: bool = False, temperature: float = 1.0
     ) -> torch.Tensor:
         """``[B, T]`` token logprobs of the whole ``batch``: each rank computes its rows, then all gather."""
-        model = self.reference if reference else self.model
-        if model is None:
-            raise RuntimeError("this worker keeps no reference model (keep_reference=True builds one)")
+        model = self._scoring_model(reference)
         self._check_divisible("logprob batch", len(batch))
         start = time.perf_counter()
         first, stop = self._my_rows(0, len(batch))

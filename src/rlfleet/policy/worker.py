@@ -81,6 +81,14 @@ class TrainablePolicy(ABC):
     def has_reference(self) -> bool:
         return self.reference is not None
 
+    def _scoring_model(self, reference: bool) -> PreTrainedModel:
+        """The policy, or the frozen reference when ``reference`` (which the worker must keep)."""
+        if not reference:
+            return self.model
+        if self.reference is None:
+            raise RuntimeError("this worker keeps no reference model (build it with keep_reference=True)")
+        return self.reference
+
     dp_size = 1  # data-parallel ranks that split each global batch (the sharded worker sets its own)
 
     def train(
@@ -208,12 +216,9 @@ class PolicyWorker(TrainablePolicy):
         self, batch: TrainBatch, micro_batch_size: int, *, reference: bool = False, temperature: float = 1.0
     ) -> torch.Tensor:
         """``[B, T]`` token logprobs of the policy (or the frozen reference) over ``batch``."""
-        model = self.reference if reference else self.model
-        if model is None:
-            raise RuntimeError("this worker keeps no reference model (keep_reference=False)")
-        return batch_logprobs(model, batch, 0, len(batch), micro_batch_size, temperature).to(
-            batch.response_mask.dtype
-        )
+        return batch_logprobs(
+            self._scoring_model(reference), batch, 0, len(batch), micro_batch_size, temperature
+        ).to(batch.response_mask.dtype)
 
     def _optimizer_step(
         self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int, temperature: float
