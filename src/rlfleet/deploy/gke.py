@@ -79,6 +79,15 @@ GPUS: dict[str, GpuProfile] = {
     ),
 }
 
+
+def gpu_profile(gpu: str) -> GpuProfile:
+    """The machine profile for ``--gpu``; a clear error naming the supported ones otherwise."""
+    try:
+        return GPUS[gpu]
+    except KeyError:
+        raise DeployError(f"--gpu {gpu!r} is not supported; use one of {sorted(GPUS)}") from None
+
+
 DEFAULT_NETWORK_PREFIX = "rlfleet"
 DEFAULT_KSA = "rlfleet-ksa"
 DEFAULT_SECRET_NAME = "rlfleet-secrets"

@@ -16,11 +16,11 @@ from rlfleet.deploy.gke import (
     DEFAULT_LUSTRE_PVC,
     DEFAULT_NETWORK_PREFIX,
     DEFAULT_SECRET_NAME,
-    GPUS,
     DeployError,
     GpuProfile,
     NetworkNames,
     gke_version_key,
+    gpu_profile,
 )
 
 __all__ = ["KUBERAY_CHART_VERSION", "NCCL_INSTALLER_URL", "GkePlanOptions", "gke_plan"]
@@ -57,10 +57,7 @@ class GkePlanOptions:
 
     @property
     def profile(self) -> GpuProfile:
-        try:
-            return GPUS[self.gpu]
-        except KeyError:
-            raise DeployError(f"--gpu {self.gpu!r} is not supported; use one of {sorted(GPUS)}") from None
+        return gpu_profile(self.gpu)
 
     def checked_version(self) -> str:
         """The GKE version to create, refusing one below the GPU's minimum."""

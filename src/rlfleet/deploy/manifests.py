@@ -44,7 +44,6 @@ from rlfleet.deploy.gke import (
     DEFAULT_NETWORK_PREFIX,
     DEFAULT_SECRET_NAME,
     GPU_NETWORK_NAMES,
-    GPUS,
     GVNIC_NETWORK,
     RDMA_NETWORKS,
     DeployError,
@@ -53,6 +52,7 @@ from rlfleet.deploy.gke import (
     check_image,
     check_k8s_name,
     default_k8s_name,
+    gpu_profile,
 )
 
 __all__ = ["RenderOptions", "RenderedJob", "dump_documents", "network_documents", "render_job"]
@@ -92,10 +92,7 @@ class RenderOptions:
 
     @property
     def profile(self) -> GpuProfile:
-        try:
-            return GPUS[self.gpu]
-        except KeyError:
-            raise DeployError(f"--gpu {self.gpu!r} is not supported; use one of {sorted(GPUS)}") from None
+        return gpu_profile(self.gpu)
 
 
 @dataclass
