@@ -1,9 +1,10 @@
 """Verification throughput: :class:`VerifierPool` with 1, 2 and 4 workers vs in-process scoring.
 
-Builds about 2,000 GSM8k-style responses from the GSM8k test set (``#### N``, ``\\boxed{N}``, "The answer is
-N.", ``$1,080``, a LaTeX fraction equal to N, and wrong answers), scores them in batches of a GRPO step's
-size and prints responses per second, as a ratio against in-process ``math_reward`` on one core. A row
-for "math-verify on the whole response" shows what the plain-number fast path saves.
+Builds about 2,000 GSM8k-style responses from the GSM8k test set in ``tests/data`` (``#### N``,
+``\\boxed{N}``, "The answer is N.", ``$1,080``, a LaTeX fraction equal to N, and wrong answers), scores them
+in batches of a GRPO step's size and prints responses per second, as a ratio against in-process
+``math_reward`` on one core. A row for "math-verify on the whole response" shows what the plain-number fast
+path saves.
 
     .venv/bin/python benchmarks/reward_throughput.py [--rows 400] [--batch 256] [--workers 1 2 4]
 """
@@ -21,7 +22,7 @@ from math_verify import parse, verify
 from rlfleet.rewards import VerifierPool, extract_gold, math_reward
 
 Item = tuple[str, str, str]
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k" / "test.jsonl"  # 1,319 rows
 
 
 def build_items(first: int, rows: int) -> list[Item]:

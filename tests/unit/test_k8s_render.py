@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -13,16 +12,20 @@ import pytest
 import yaml
 
 from rlfleet.config import ConfigError, load_recipe, resolve_recipe_path
+from rlfleet.deploy import manifests
 from rlfleet.deploy.cli import add_deploy_commands
 from rlfleet.deploy.gke import GPUS, DeployError, NetworkNames
 from rlfleet.deploy.manifests import RenderedJob, RenderOptions, dump_documents, render_job
-from rlfleet.deploy.validate import pod_templates, validate_documents
+from rlfleet.deploy.validate import (
+    CRD_DIR_ENV,
+    CRD_FILES,
+    PACKAGED_CRD_DIR,
+    find_crd_dir,
+    pod_templates,
+    validate_documents,
+)
 
 REPO = Path(__file__).resolve().parents[2]
-CRD_DIR = Path(os.environ.get("RLFLEET_KUBERAY_CRDS", REPO.parent / "shared" / "schemas" / "kuberay"))
-needs_crds = pytest.mark.skipif(
-    not (CRD_DIR / "ray.io_rayjobs.yaml").is_file(), reason=f"KubeRay CRDs not found in {CRD_DIR}"
-)
 
 GEMMA = "grpo-gemma3-27b-it-2n8g-fsdp2tp8-noncolocated"
 SEED_OVERRIDES = [
@@ -222,19 +225,37 @@ def test_secrets_are_references_only(gpu: str, monkeypatch: pytest.MonkeyPatch) 
         assert {"HF_TOKEN", "WANDB_API_KEY", "RAY_AUTH_TOKEN"} <= set(env_of(head["containers"][0]))
 
 
-@needs_crds
+@pytest.fixture
+def no_crd_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CRD_DIR_ENV, raising=False)
+
+
+def test_the_kuberay_crds_ship_in_the_package(no_crd_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert PACKAGED_CRD_DIR == REPO / "src" / "rlfleet" / "deploy" / "schemas"
+    assert find_crd_dir() == PACKAGED_CRD_DIR
+    names = {path.name for path in PACKAGED_CRD_DIR.iterdir()}
+    assert {*CRD_FILES.values(), "LICENSE", "README.md"} <= names
+    assert "Apache License" in (PACKAGED_CRD_DIR / "LICENSE").read_text(encoding="utf-8")
+    monkeypatch.setenv(CRD_DIR_ENV, str(PACKAGED_CRD_DIR))  # an override still wins
+    assert find_crd_dir() == PACKAGED_CRD_DIR
+    monkeypatch.setenv(CRD_DIR_ENV, str(REPO))
+    with pytest.raises(DeployError, match=r"\$RLFLEET_KUBERAY_CRDS\) lacks .*leave it unset"):
+        find_crd_dir()
+    with pytest.raises(DeployError, match=r"\(--crd-dir\) lacks"):
+        find_crd_dir(REPO)
+
+
 @pytest.mark.parametrize("cluster_only", [False, True])
-def test_manifests_validate_offline(gpu: str, cluster_only: bool) -> None:
+def test_manifests_validate_offline(gpu: str, cluster_only: bool, no_crd_env: None) -> None:
     job = seed_job(gpu, cluster_only=cluster_only, bucket="b", spot=True)
     kinds = [d["kind"] for d in job.documents]
     assert ("RayCluster" in kinds) == cluster_only and ("RayJob" in kinds) != cluster_only
-    assert validate_documents(job.documents, CRD_DIR) == []
+    assert validate_documents(job.documents) == []
     reloaded = list(yaml.safe_load_all(dump_documents(job.documents, ["a header"])))
     assert reloaded == job.documents
 
 
-@needs_crds
-def test_validation_catches_what_an_api_server_would_prune_or_reject() -> None:
+def test_validation_catches_what_an_api_server_would_prune_or_reject(no_crd_env: None) -> None:
     job = seed_job("h200")
     rayjob = by_kind(job, "RayJob")[0]
     group = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
@@ -242,7 +263,7 @@ def test_validation_catches_what_an_api_server_would_prune_or_reject() -> None:
     container = group["template"]["spec"]["containers"][0]
     container["volumeMount"] = container.pop("volumeMounts")
     container["env"].append({"name": "HF_TOKEN", "value": "literal"})
-    problems = "\n".join(validate_documents([rayjob], CRD_DIR))
+    problems = "\n".join(validate_documents([rayjob]))
     assert "'minReplicas' is a required property" in problems
     assert "'volumeMount' was unexpected" in problems
     assert "HF_TOKEN has a literal value" in problems
@@ -305,18 +326,47 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def test_cli_render_then_validate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_render_then_validate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_crd_env: None
+) -> None:
     out = tmp_path / "job.yaml"
     args = _parser().parse_args(
         ["k8s", "render", GEMMA, *SEED_OVERRIDES, "--gpu", "h200", "--output", str(out)]
     )
+    assert args.validate  # by default
     assert args.func(args) == 0
     docs = list(yaml.safe_load_all(out.read_text()))
     assert docs[-1]["kind"] == "RayJob" and len(docs) == 20
     assert "this rlfleet build cannot run yet" in capsys.readouterr().err
-    if (CRD_DIR / "ray.io_rayjobs.yaml").is_file():
-        args = _parser().parse_args(["k8s", "validate", str(out), "--crd-dir", str(CRD_DIR)])
-        assert args.func(args) == 0
+    args = _parser().parse_args(["k8s", "validate", str(out)])  # the shipped CRDs, no --crd-dir
+    assert args.func(args) == 0
+    args = _parser().parse_args(["k8s", "validate", str(out), "--crd-dir", str(PACKAGED_CRD_DIR)])
+    assert args.func(args) == 0
     args = _parser().parse_args(["k8s", "render", GEMMA, "--gpu", "b200", "--image", "x/y:latest"])
     assert args.func(args) == 2
     assert "pin it" in capsys.readouterr().err
+
+
+def _render_without_min_replicas(recipe: str, overrides: list[str], opts: RenderOptions) -> RenderedJob:
+    """``render_job`` with a bug: the worker group lacks ``minReplicas`` (which the KubeRay CRD requires)."""
+    job = render_job(recipe, overrides, opts)
+    del worker_group(job)["minReplicas"]
+    return job
+
+
+def test_cli_render_refuses_to_write_invalid_manifests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, no_crd_env: None
+) -> None:
+    monkeypatch.setattr(manifests, "render_job", _render_without_min_replicas)
+    out = tmp_path / "job.yaml"
+    argv = ["k8s", "render", GEMMA, *SEED_OVERRIDES, "--gpu", "h200", "--output", str(out)]
+    args = _parser().parse_args(argv)
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert "fail offline validation (1 problem(s)" in err
+    assert "spec/rayClusterSpec/workerGroupSpecs/0: 'minReplicas' is a required property" in err
+    assert "--no-validate" in err
+    assert not out.exists()  # nothing invalid is written
+    args = _parser().parse_args([*argv, "--no-validate"])
+    assert args.func(args) == 0
+    assert "minReplicas" not in out.read_text()

@@ -27,7 +27,7 @@ from rlfleet.data.prompts import check_prompt_template
 from rlfleet.data.response_dataset import _extract_gold
 from rlfleet.models.tiny import train_tokenizer
 
-SHARED_GSM8K = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k"
+GSM8K_TEST = Path(__file__).resolve().parents[1] / "data" / "gsm8k" / "test.jsonl"  # 1,319 rows, MIT
 GOOD = [
     {"question": "What is 2+3?", "answer": "2+3 = 5\n#### 5"},
     {"question": "What is 1000+80?", "answer": "1000+80 = 1080\n#### 1,080"},
@@ -120,20 +120,19 @@ def test_parquet_with_custom_keys(tmp_path: Path) -> None:
     check_good(train)
 
 
-@pytest.mark.skipif(not (SHARED_GSM8K / "train.jsonl").exists(), reason="shared GSM8k files not present")
-def test_gsm8k_shortcut_on_the_shared_files() -> None:
-    cfg = DataConfig(
-        dataset_name="gsm8k",
-        train_data_path=str(SHARED_GSM8K / "train.jsonl"),
-        val_data_path=str(SHARED_GSM8K / "test.jsonl"),
-    )
+def test_gsm8k_shortcut_on_the_gsm8k_files(tmp_path: Path) -> None:
+    lines = GSM8K_TEST.read_text(encoding="utf-8").splitlines(keepends=True)
+    train_path = tmp_path / "train.jsonl"
+    train_path.write_text("".join(lines[:200]), encoding="utf-8")  # a slice stands in for the train split
+    cfg = DataConfig(dataset_name="gsm8k", train_data_path=str(train_path), val_data_path=str(GSM8K_TEST))
     task = load_task_with_report(cfg)
-    assert (len(task.train), len(task.val)) == (7473, 1319)
+    assert (len(task.train), len(task.val)) == (200, 1319)
     assert task.report == {"train/bad_rows": 0, "val/bad_rows": 0}
-    with_commas = [e for e in task.train + task.val if "#### 1,080" in e.answer]
-    assert with_commas and all(e.gold == "1080" for e in with_commas)
+    with_commas = [e for e in task.val if "#### 114,200" in e.answer]
+    assert len(with_commas) == 1 and with_commas[0].gold == "114200"
     assert all("," not in e.gold and e.gold for e in task.train + task.val)
-    assert task.train[0].gold == "72" and task.train[0].answer.endswith("#### 72")
+    assert task.train[0].gold == "18" and task.train[0].answer.endswith("#### 18")
+    assert [e.question for e in task.train] == [e.question for e in task.val[:200]]
 
 
 # ------------------------------------------------------------------------------------------------- hub

@@ -2,7 +2,7 @@
 
 ``add_deploy_commands(subparsers)`` registers::
 
-    rlfleet k8s render RECIPE [OVERRIDES...] --gpu {b200,h200} ...   # manifests for kubectl apply
+    rlfleet k8s render RECIPE [OVERRIDES...] --gpu {b200,h200} ...   # manifests for kubectl apply, validated
     rlfleet k8s validate FILE... [--crd-dir DIR]                      # offline schema validation
     rlfleet gke plan --gpu ... --region ... --zone ... --cluster ...  # gcloud/kubectl/helm setup script
     rlfleet submit --address URL RECIPE [OVERRIDES...]                # Ray Jobs API
@@ -10,8 +10,9 @@
     rlfleet logs --address URL JOB_ID [--follow]
     rlfleet stop --address URL JOB_ID
 
-Each handler returns the exit code: 0 success, 1 a job that failed/stopped or invalid manifests,
-2 a usage problem (the message says what to change).
+Each handler returns the exit code: 0 success, 1 a job that failed/stopped or invalid manifests given to
+``k8s validate``, 2 a usage problem (the message says what to change). ``k8s render`` validates what it
+writes (KubeRay CRDs shipped with rlfleet, Kubernetes schemas) unless ``--no-validate``: a problem is exit 2.
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ def cmd_k8s_render(args: argparse.Namespace) -> int:
         head_memory=args.head_memory,
     )
     job = render_job(args.recipe, args.overrides, opts)
+    if args.validate:
+        from rlfleet.deploy.validate import check_documents
+
+        check_documents(job.documents)  # before writing: an invalid manifest is never written
     kind = "RayCluster" if opts.cluster_only else "RayJob"
     header = [
         f"rlfleet {rlfleet.__version__} k8s render: {kind} {job.name} ({opts.gpu}, image {opts.image})",
@@ -147,11 +152,22 @@ def _add_k8s(subparsers: Any) -> None:
     p.add_argument("--network-prefix", default=DEFAULT_NETWORK_PREFIX, help="as given to rlfleet gke plan")
     p.add_argument("--head-cpu", default="8")
     p.add_argument("--head-memory", default="32Gi")
+    p.add_argument(
+        "--no-validate",
+        dest="validate",
+        action="store_false",
+        help="skip the offline validation of the manifests (KubeRay CRDs shipped with rlfleet, or "
+        "$RLFLEET_KUBERAY_CRDS; Kubernetes schemas); needs no 'rlfleet[k8s]' extra",
+    )
     p.add_argument("--output", "-o", help="write to this file (default: stdout)")
     p.set_defaults(func=cmd_k8s_render)
     p = sub.add_parser("validate", help="validate manifests offline (KubeRay CRDs, Kubernetes schemas)")
     p.add_argument("files", nargs="+", help="YAML files ('-' for stdin)")
-    p.add_argument("--crd-dir", help="folder with KubeRay's ray.io_rayclusters.yaml and ray.io_rayjobs.yaml")
+    p.add_argument(
+        "--crd-dir",
+        help="folder with KubeRay's ray.io_rayclusters.yaml and ray.io_rayjobs.yaml (default: "
+        "$RLFLEET_KUBERAY_CRDS, else the copy shipped with rlfleet)",
+    )
     p.add_argument("--k8s-version", default="1.32", help="Kubernetes minor version of the core schemas")
     p.set_defaults(func=cmd_k8s_validate)
 

@@ -1,6 +1,7 @@
 """Offline validation of rendered manifests (no API server needed).
 
-- ``RayJob`` / ``RayCluster``: ``jsonschema`` against the KubeRay CRDs' ``openAPIV3Schema`` (version ``v1``).
+- ``RayJob`` / ``RayCluster``: ``jsonschema`` against the KubeRay CRDs' ``openAPIV3Schema`` (version ``v1``),
+  by default the copy shipped in ``rlfleet/deploy/schemas`` (KubeRay v1.7 line, Apache-2.0; see its README).
   Those schemas accept unknown fields (an API server would silently prune them), so each pod template inside
   is also checked as a core ``Pod``, strictly (see next item): a misspelled ``volumeMount`` is an error here.
 - Core objects (``ConfigMap``, pods from the templates, ...): ``kubernetes-validate`` with its bundled
@@ -23,10 +24,20 @@ import yaml
 
 from rlfleet.deploy.gke import DeployError
 
-__all__ = ["CRD_FILES", "crd_schema", "find_crd_dir", "pod_templates", "validate_documents"]
+__all__ = [
+    "CRD_FILES",
+    "PACKAGED_CRD_DIR",
+    "check_documents",
+    "crd_schema",
+    "find_crd_dir",
+    "pod_templates",
+    "validate_documents",
+]
 
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
 CRD_DIR_ENV = "RLFLEET_KUBERAY_CRDS"
+PACKAGED_CRD_DIR = Path(__file__).resolve().parent / "schemas"
+"""KubeRay's CRDs as shipped in the wheel (the default of :func:`find_crd_dir`)."""
 DEFAULT_K8S_VERSION = "1.32"
 _SECRET_LIKE = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|CREDENTIALS?)$")
 
@@ -96,21 +107,30 @@ def _need_validators() -> None:
         import jsonschema  # noqa: F401
         import kubernetes_validate  # noqa: F401
     except ImportError:
-        raise DeployError("offline validation needs: pip install 'rlfleet[k8s]'") from None
+        raise DeployError(
+            "offline validation needs jsonschema and kubernetes-validate: pip install 'rlfleet[k8s]' "
+            "(or skip it: rlfleet k8s render --no-validate)"
+        ) from None
 
 
 def find_crd_dir(explicit: str | Path | None = None) -> Path:
-    """The directory with KubeRay's CRD YAML files: ``explicit``, else ``$RLFLEET_KUBERAY_CRDS``."""
+    """The directory with KubeRay's CRD YAML files: ``explicit``, else ``$RLFLEET_KUBERAY_CRDS``, else the
+    copy shipped with rlfleet (:data:`PACKAGED_CRD_DIR`).
+
+    Raises:
+        DeployError: the directory lacks ``ray.io_rayclusters.yaml`` or ``ray.io_rayjobs.yaml``.
+    """
     value = explicit or os.environ.get(CRD_DIR_ENV)
-    if not value:
-        raise DeployError(
-            f"no KubeRay CRD directory: pass --crd-dir or set {CRD_DIR_ENV} to a folder holding "
-            f"{' and '.join(CRD_FILES.values())} (kuberay repository: helm-chart/kuberay-operator/crds)"
-        )
-    path = Path(value).expanduser()
+    path = Path(value).expanduser() if value else PACKAGED_CRD_DIR
     missing = [f for f in CRD_FILES.values() if not (path / f).is_file()]
+    if missing and not value:
+        raise DeployError(f"this rlfleet install lacks its KubeRay CRDs {missing} in {path}; reinstall it")
     if missing:
-        raise DeployError(f"{path} lacks {missing}; point --crd-dir at KubeRay's helm-chart crds folder")
+        source = "--crd-dir" if explicit else f"${CRD_DIR_ENV}"
+        raise DeployError(
+            f"{path} ({source}) lacks {missing}; point it at KubeRay's helm-chart/kuberay-operator/crds "
+            "folder, or leave it unset to use the CRDs shipped with rlfleet"
+        )
     return path
 
 
@@ -192,6 +212,11 @@ def validate_documents(
 ) -> list[str]:
     """Every problem found in ``docs``; empty when all are valid.
 
+    Args:
+        docs: Parsed manifests.
+        crd_dir: Folder with KubeRay's CRD files; None: ``$RLFLEET_KUBERAY_CRDS``, else the shipped copy.
+        k8s_version: Kubernetes minor version of the core schemas.
+
     Raises:
         DeployError: the validators or the KubeRay CRD files are missing.
     """
@@ -210,3 +235,21 @@ def validate_documents(
         else:
             problems += _core_problems(doc, label, k8s_version)
     return problems
+
+
+def check_documents(
+    docs: Sequence[dict[str, Any]], crd_dir: str | Path | None = None, k8s_version: str = DEFAULT_K8S_VERSION
+) -> None:
+    """Raises unless :func:`validate_documents` finds nothing wrong with ``docs``.
+
+    Raises:
+        DeployError: a problem in ``docs`` (each listed with its document and field), or missing validators.
+    """
+    problems = validate_documents(docs, crd_dir, k8s_version)
+    if problems:
+        listed = "\n".join(f"  {problem}" for problem in problems)
+        raise DeployError(
+            f"the rendered manifests fail offline validation ({len(problems)} problem(s); a bug in rlfleet "
+            f"or an option value it did not check):\n{listed}\nfix the option behind the field named above, "
+            "or write them anyway with --no-validate"
+        )
