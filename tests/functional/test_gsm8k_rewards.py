@@ -1,30 +1,32 @@
-"""The math reward on the whole GSM8k test set: every way a model writes the right answer scores 1.0, a wrong
-number scores 0.0, for every row, scored through a :class:`VerifierPool` as the trainer does."""
+"""The math reward on the whole GSM8k test set (``tests/data/gsm8k``): every way a model writes the right
+answer scores 1.0 and a wrong number 0.0, for every row, with the row's whole worked solution as the gold
+(reduced to its ``#### N``), in process and through a :class:`VerifierPool` as the trainer scores."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from rlfleet.rewards import VerifierPool, extract_gold, math_reward
 
-GSM8K_TEST = (Path(__file__).parents[2] / ".." / "shared" / "data" / "gsm8k" / "test.jsonl").resolve()
+GSM8K_TEST = Path(__file__).resolve().parents[1] / "data" / "gsm8k" / "test.jsonl"
 NUM_ROWS = 1319
 
 
 @pytest.fixture(scope="module")
 def rows() -> list[dict[str, str]]:
-    if not GSM8K_TEST.is_file():
-        pytest.fail(
-            f"the GSM8k test set is missing: expected {GSM8K_TEST} (1,319 JSON lines with 'question' and "
-            "'answer'); CI always provides it, so put the shared data checkout next to the repository"
-        )
-    with GSM8K_TEST.open() as handle:
+    with GSM8K_TEST.open(encoding="utf-8") as handle:
         records = [json.loads(line) for line in handle if line.strip()]
     assert len(records) == NUM_ROWS, f"{GSM8K_TEST} has {len(records)} rows, expected {NUM_ROWS}"
     return records
+
+
+def answer_of(row: dict[str, str]) -> str:
+    """The row's final answer, read independently of the code under test."""
+    return row["answer"].rpartition("####")[2].strip().replace(",", "")
 
 
 def responses(worked: str, answer: str) -> dict[str, str]:
@@ -40,26 +42,34 @@ def responses(worked: str, answer: str) -> dict[str, str]:
 
 def test_gold_is_the_number_after_the_hashes(rows):
     for index, row in enumerate(rows):
-        expected = row["answer"].rpartition("####")[2].strip().replace(",", "")
-        assert extract_gold(row["answer"]) == expected, f"row {index}: {row['answer'][-80:]!r}"
+        assert extract_gold(row["answer"]) == answer_of(row), f"row {index}: {row['answer'][-80:]!r}"
 
 
-def test_every_gsm8k_row_scores_right_and_wrong_answers(rows):
+def test_worked_solution_as_gold_in_process(rows):
+    start = time.perf_counter()
+    for index, row in enumerate(rows):
+        worked, answer = row["answer"].rpartition("####")[0].strip(), answer_of(row)
+        right = math_reward(row["question"], f"{worked}\n#### {answer}", row["answer"])
+        wrong = math_reward(row["question"], f"{worked}\n#### {int(answer) + 1}", row["answer"])
+        assert (right, wrong) == (1.0, 0.0), f"row {index}: gold {row['answer'][-40:]!r}"
+    seconds = time.perf_counter() - start
+    assert seconds < 10.0, f"{2 * NUM_ROWS} plain-number checks took {seconds:.1f} s: no fast path taken?"
+
+
+def test_every_gsm8k_row_scores_right_and_wrong_answers_in_the_pool(rows):
     items, labels = [], []
     for index, row in enumerate(rows):
-        gold = extract_gold(row["answer"])
-        assert gold is not None, f"row {index} has no gold"
-        worked = row["answer"].rpartition("####")[0].strip()
-        for right, answer in ((True, gold), (False, str(int(gold) + 1))):
-            for style, response in responses(worked, answer).items():
-                items.append((row["question"], response, gold))
+        worked, answer = row["answer"].rpartition("####")[0].strip(), answer_of(row)
+        for right, given in ((True, answer), (False, str(int(answer) + 1))):
+            for style, response in responses(worked, given).items():
+                items.append((row["question"], response, row["answer"]))  # the whole solution as the gold
                 labels.append((index, style, right))
     with VerifierPool(math_reward, num_workers=2, timeout_s=5.0) as pool:
         batch = pool.score(items)
     assert batch.num_timeouts == 0 and batch.num_errors == 0, batch
     failures = [
         f"row {index} ({style}, {'right' if right else 'wrong'} answer): reward {reward} for "
-        f"...{item[1][-60:]!r}, gold {item[2]!r}"
+        f"...{item[1][-60:]!r}, gold ...{item[2][-30:]!r}"
         for (index, style, right), reward, item in zip(labels, batch.rewards, items, strict=True)
         if reward != float(right)
     ]

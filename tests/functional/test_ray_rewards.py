@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -136,15 +137,28 @@ def test_a_stuck_response_times_out_alone_and_the_pool_recovers(ray_cluster: Non
         assert pool.score(GSM8K_ITEMS).rewards == EXPECTED
 
 
-def test_slow_and_failing_responses_count_without_restarts(ray_cluster: None) -> None:
-    items = [("sleep", "#### 1", "1"), *GSM8K_ITEMS[:3], ("raise", "#### 1", "1")]
+def test_slow_and_failing_responses_count_without_restarts(
+    ray_cluster: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="rlfleet.rewards.pool")
+    items = [
+        ("sleep", "#### 1", "1"),
+        *GSM8K_ITEMS[:3],
+        ("raise", "#### 1", "1"),
+        ("q", "#### 72", WORKED),  # a gold that is no answer: an error, not a wrong response
+        ("q", "#### 72", f"{WORKED}\n#### 72"),  # a worked solution: reduced to its answer
+    ]
     with RayVerifierPool(faulty_math_reward, num_workers=2, timeout_s=1.0, chunk_size=1) as pool:
         pool.wait_ready()
         start = time.monotonic()
         batch = pool.score(items)
         assert time.monotonic() - start < 5.0  # the soft budget (0.8 s) interrupted the sleep
-        assert batch.rewards == [0.0, *EXPECTED[:3], 0.0]
-        assert (batch.num_timeouts, batch.num_errors, pool.num_restarts) == (1, 1, 0)
+        assert batch.rewards == [0.0, *EXPECTED[:3], 0.0, 0.0, 1.0]
+        assert (batch.num_timeouts, batch.num_errors, pool.num_restarts) == (1, 2, 0)
+    logged = sorted(record.getMessage() for record in caplog.records)
+    assert len(logged) == 2, logged
+    assert "raised InvalidGoldError: gold 'Natalia sold" in logged[0] and "spans several lines" in logged[0]
+    assert "raised ValueError: a broken reward function" in logged[1]
 
 
 def test_close_removes_the_actors(ray_cluster: None) -> None:

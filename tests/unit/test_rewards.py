@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -15,13 +16,16 @@ from pathlib import Path
 import pytest
 
 from rlfleet.rewards import (
+    InvalidGoldError,
     RewardBatch,
     VerifierPool,
     extract_answer,
     extract_gold,
+    gold_answer,
     load_reward_fn,
     math_reward,
 )
+from rlfleet.rewards.math import MAX_GOLD_CHARS
 from rlfleet.rewards.verify import time_budget
 
 TIMEOUT_S = 1.0
@@ -156,13 +160,81 @@ def test_math_reward_right(response, gold):
         ("\\boxed{3} but #### 4", "3"),  # #### wins over \boxed
         ("nothing", "8"),
         ("", "8"),
-        ("#### 8", "not a number"),
-        ("#### 8", ""),
+        ("#### 8", "not a number"),  # a short one-line gold is an answer, just not this one
         ("\\boxed{\\sqrt{3}}", "\\sqrt{2}"),
     ],
 )
 def test_math_reward_wrong(response, gold):
     assert math_reward("p", response, gold) == 0.0
+
+
+# ---------------------------------------------------------------------------------------- the gold
+
+WORKED = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+
+
+@pytest.mark.parametrize(
+    ("gold", "expected"),
+    [
+        ("72", "72"),
+        ("  72\n", "72"),  # stripped
+        ("1,080", "1,080"),  # an answer already: left as it is (the fast path drops the comma)
+        ("\\frac{3}{4}", "\\frac{3}{4}"),
+        ("B", "B"),
+        ("not a number", "not a number"),  # one short line: an answer, compared by math-verify
+        (WORKED, "72"),  # GSM8k's whole answer field
+        ("work\n#### 1,080\n", "1080"),
+        ("so \\boxed{\\frac{3}{4}}.", "\\frac{3}{4}"),
+        ("work\nmore work\nso \\boxed{5}", "5"),
+        ("x" * MAX_GOLD_CHARS, "x" * MAX_GOLD_CHARS),  # the longest answer
+        ("#### " + "x" * MAX_GOLD_CHARS, "x" * MAX_GOLD_CHARS),
+    ],
+)
+def test_gold_answer_keeps_or_reduces(gold, expected):
+    assert gold_answer(gold) == expected
+
+
+@pytest.mark.parametrize(
+    ("gold", "message"),
+    [
+        ("", "is empty"),
+        (" \n\t", "is empty"),
+        ("x" * (MAX_GOLD_CHARS + 1), "is 101 characters long"),
+        ("#### " + "x" * (MAX_GOLD_CHARS + 1), "reduced to"),
+        ("She sold 24 clips in May.\nShe sold 72 clips in all.", "spans several lines"),
+        ("She sold 24 clips in May,\r72 in all", "spans several lines"),
+        (
+            "Natalia sold 48/2 = 24 clips in May, and then 48 + 24 = 72 clips altogether in April and May, "
+            "so 72 is the answer.",
+            r"is 114 characters long \(at most 100\)",
+        ),
+        ("work\n####", "no answer after it"),
+        ("work\n####  \n", "no answer after it"),
+        ("so \\boxed{5", "no answer after it"),
+        ("so \\boxed{ }", "no answer after it"),
+        ("\\boxed{1\n2}", "spans several lines"),
+    ],
+)
+def test_gold_that_is_no_answer_raises(gold, message):
+    with pytest.raises(InvalidGoldError, match=message) as caught:
+        gold_answer(gold)
+    assert isinstance(caught.value, ValueError)
+    assert "pass the final answer" in str(caught.value) or "pass the answer itself" in str(caught.value)
+    with pytest.raises(InvalidGoldError):
+        math_reward("p", "#### 72", gold)
+
+
+def test_worked_solution_gold_is_scored_by_its_answer():
+    assert math_reward("p", "so #### 72", WORKED) == 1.0
+    assert math_reward("p", "so \\boxed{72}", WORKED) == 1.0
+    assert math_reward("p", "so #### 24", WORKED) == 0.0  # a number of the rationale is not the answer
+    assert math_reward("p", "She sold 72 clips.", WORKED) == 1.0  # the last number, with its unit
+    assert math_reward("p", "She sold 24 clips in May.", WORKED) == 0.0
+
+
+def test_bad_response_never_raises_with_a_good_gold():
+    for response in ("", "####", "\\boxed{", "\\boxed{}", "#### \n", "x" * 20_000):
+        assert math_reward("p", response, "72") == 0.0
 
 
 def test_huge_response_is_bounded():
@@ -307,10 +379,29 @@ def test_stuck_worker_is_killed_and_replaced():
         assert pool.score([("q", "ok", "g")] * 4).rewards == [1.0] * 4
 
 
-def test_reward_errors_are_counted():
+def test_reward_errors_are_counted_and_logged_once_per_type(caplog):
+    caplog.set_level(logging.ERROR, logger="rlfleet.rewards.pool")
+    items = [("q", "raise", "g"), ("q", "fine", "g"), ("q", "not a number", "g"), ("q", "raise", "g")]
     with VerifierPool(raising_reward, num_workers=1, timeout_s=TIMEOUT_S) as pool:
-        batch = pool.score([("q", "raise", "g"), ("q", "fine", "g"), ("q", "not a number", "g")])
-    assert batch == RewardBatch([0.0, 0.5, 0.0], num_timeouts=0, num_errors=2)
+        batch = pool.score(items)
+        assert pool.score(items) == batch  # the second batch is counted again, not logged again
+    assert batch == RewardBatch([0.0, 0.5, 0.0, 0.0], num_timeouts=0, num_errors=3)
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 2, messages
+    assert "raising_reward raised KeyError: 'boom'" in messages[0]
+    assert "raised ValueError: could not convert string to float" in messages[1]
+
+
+def test_invalid_gold_is_an_error_in_the_pool(caplog):
+    caplog.set_level(logging.ERROR, logger="rlfleet.rewards.pool")
+    rationale = "She sold 24 clips in May.\nShe sold 72 clips in all."
+    items = [("q", "#### 72", rationale), ("q", "#### 72", WORKED), ("q", "#### 7", ""), ("q", "#### 7", "7")]
+    with VerifierPool("rlfleet.rewards.math_reward", num_workers=1, timeout_s=5.0) as pool:
+        assert pool.score(items) == RewardBatch([0.0, 1.0, 0.0, 1.0], num_timeouts=0, num_errors=2)
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "rlfleet.rewards.math_reward raised InvalidGoldError" in message
+    assert "spans several lines" in message and "train/reward_errors" in message
 
 
 def test_worker_killed_mid_batch_is_replaced_and_the_batch_completes():

@@ -9,6 +9,12 @@ gold are both plain numbers (currency signs, thousands separators, a percent sig
 as units allowed) they are compared exactly as fractions, which takes microseconds and settles nearly every
 GSM8k-style response. Anything else (``\\frac{3}{4}``, ``3/4``, ``2^{10}``, a symbolic gold) goes to HF
 math-verify, under a wall-clock budget.
+
+The gold must be an answer, not a worked solution (:func:`gold_answer`): a gold holding ``#### N`` or a
+``\\boxed{}`` is reduced to that answer first (GSM8k's whole ``answer`` field works), and a gold that is still
+not an answer (empty, several lines, over 100 characters) raises :class:`InvalidGoldError`. That is a bug in
+the data, not a wrong response, so it is never scored as a plain 0.0: a verifier pool counts it in
+``num_errors`` (``train/reward_errors``), scores it 0.0 and logs the first one.
 """
 
 from __future__ import annotations
@@ -36,6 +42,16 @@ _EXPRESSION_BEFORE = re.compile(r"(?:[/^_{]|\\[A-Za-z]*)\s*$")
 _BOXED_OPEN = "\\boxed{"
 _MAX_CHARS = 10_000
 _MAX_ANSWER_CHARS = 1_000
+MAX_GOLD_CHARS = 100
+"""The longest gold answer :func:`gold_answer` accepts; anything longer is prose, not an answer."""
+_SHOWN_GOLD_CHARS = 80
+
+
+class InvalidGoldError(ValueError):
+    """A gold that is not an answer and cannot be reduced to one (see :func:`gold_answer`).
+
+    A bug in the data (or the caller), not in the response: the verifier pools count it in ``num_errors``.
+    """
 
 
 def _clean(number: str) -> str:
@@ -92,6 +108,56 @@ def extract_gold(output: str) -> str | None:
     if boxed is None or not boxed.strip():
         return None
     return boxed.strip()
+
+
+def _shown(gold: str) -> str:
+    """``gold`` for an error message: its repr, cut to its first ``_SHOWN_GOLD_CHARS`` characters."""
+    if len(gold) <= _SHOWN_GOLD_CHARS:
+        return repr(gold)
+    return f"{gold[:_SHOWN_GOLD_CHARS]!r}..."
+
+
+def _reduced(gold: str) -> str:
+    """The answer of a gold holding ``####`` or ``\\boxed{``; ``gold`` stripped when it holds neither."""
+    if "####" not in gold and _BOXED_OPEN not in gold:
+        return gold.strip()
+    answer = extract_gold(gold)
+    if answer is None:
+        raise InvalidGoldError(
+            f"gold {_shown(gold)} has '####' or '\\boxed{{' but no answer after it; end the reference "
+            "solution with '#### <answer>' or '\\boxed{<answer>}', or pass the answer itself as the gold"
+        )
+    return answer
+
+
+def gold_answer(gold: str) -> str:
+    """The answer to compare a response with: ``gold`` itself, or the final answer of the solution it is.
+
+    A gold that holds ``####`` or ``\\boxed{`` is reduced with :func:`extract_gold` (GSM8k's worked
+    solution ``"... #### 1,080"`` gives ``"1080"``); any other gold is only stripped. The result must then be
+    an answer: not empty, one line, at most :data:`MAX_GOLD_CHARS` (100) characters -- a number (``"72"``), a
+    short expression (``"3/4"``, ``"\\frac{3}{4}"``, ``"2^{10}"``) or a label (``"B"``). A short one-line
+    sentence passes this check and is left to math-verify; a worked solution without a marker does not.
+
+    Raises:
+        InvalidGoldError: ``gold`` is empty, or a rationale with no ``####`` / ``\\boxed{}`` to reduce it to.
+    """
+    answer = _reduced(gold)
+    problem = None
+    if not answer:
+        problem = "is empty"
+    elif "\n" in answer or "\r" in answer:
+        problem = "spans several lines"
+    elif len(answer) > MAX_GOLD_CHARS:
+        problem = f"is {len(answer):,} characters long (at most {MAX_GOLD_CHARS})"
+    if problem is None:
+        return answer
+    reduced = "" if answer == gold.strip() else f" (reduced to {_shown(answer)})"
+    raise InvalidGoldError(
+        f"gold {_shown(gold)}{reduced} {problem}, so it is not an answer: pass the final answer "
+        "(rlfleet.rewards.extract_gold(solution)), or a solution that ends with '#### <answer>' or "
+        "'\\boxed{<answer>}'"
+    )
 
 
 @dataclass(frozen=True)
@@ -155,10 +221,20 @@ def plain_number(text: str) -> Fraction | None:
 
 
 def answers_match(response: str, gold: str) -> bool:
-    """Whether the final answer of ``response`` equals ``gold``: exactly for plain numbers, else by
-    math-verify. Not time-bounded: see :func:`math_reward` and :class:`~rlfleet.rewards.VerifierPool`."""
+    """Whether the final answer of ``response`` equals ``gold`` (:func:`gold_answer` of it): exactly for
+    plain numbers, else by math-verify. Not time-bounded: see :func:`math_reward` and
+    :class:`~rlfleet.rewards.VerifierPool`.
+
+    Raises:
+        InvalidGoldError: ``gold`` is not an answer and cannot be reduced to one.
+    """
+    return _matches(response, gold_answer(gold))
+
+
+def _matches(response: str, gold: str) -> bool:
+    """:func:`answers_match` for a gold that is already an answer."""
     answer = final_answer(response)
-    if answer is None or len(answer.text) > _MAX_ANSWER_CHARS or len(gold) > _MAX_ANSWER_CHARS:
+    if answer is None or len(answer.text) > _MAX_ANSWER_CHARS:
         return False
     wanted = _as_number(gold)
     got = plain_number(answer.text) if answer.standalone else None
@@ -172,22 +248,30 @@ def math_reward(
 ) -> float:
     """1.0 when the response's final answer equals ``gold`` (numerically or symbolically), else 0.0.
 
-    Never raises for bad input: an error or a check running past ``timeout_s`` gives 0.0. The budget is a
-    ``SIGALRM`` timer, so it holds only on the main thread and only for Python code; inside a
-    :class:`~rlfleet.rewards.VerifierPool` worker the pool's own budget applies instead (a timeout there
-    propagates so that the pool counts it), and a worker stuck in C code is killed.
+    Whatever the response, this never raises: an error or a check running past ``timeout_s`` gives 0.0. A
+    gold that is not an answer (:func:`gold_answer`) raises :class:`InvalidGoldError` instead, because the
+    data, not the response, is wrong: the verifier pools that score a training step count it in
+    ``num_errors`` with reward 0.0 and log the first one (the step goes on); a caller that scores in process
+    sees the exception. The budget is a ``SIGALRM`` timer, so it holds only on the main thread and only for
+    Python code; inside a :class:`~rlfleet.rewards.VerifierPool` worker the pool's own budget applies instead
+    (a timeout there propagates so that the pool counts it), and a worker stuck in C code is killed.
 
     Args:
         prompt: The prompt (unused by this reward; part of the reward-function signature).
         response: The model's generated text.
-        gold: The reference answer: a number such as ``"72"`` or ``"1,080"``, or LaTeX (``"\\frac{3}{4}"``).
+        gold: The reference answer: a number such as ``"72"`` or ``"1,080"``, LaTeX (``"\\frac{3}{4}"``), or
+            a worked solution ending in ``#### <answer>`` or ``\\boxed{<answer>}`` (reduced to that answer).
         timeout_s: Wall-clock budget of this call; None for unbounded.
+
+    Raises:
+        InvalidGoldError: ``gold`` is not an answer and cannot be reduced to one.
     """
     del prompt
+    wanted = gold_answer(gold)  # linear string work, outside the budget: a bad gold must raise, not time out
     armed = False
     try:
         with time_budget(timeout_s) as armed:
-            return 1.0 if answers_match(response, gold) else 0.0
+            return 1.0 if _matches(response, wanted) else 0.0
     except VerificationTimeout:
         if not armed:
             raise  # an enclosing budget (a pool worker's) expired: let its owner count it

@@ -17,7 +17,9 @@ is on has a deadline of ``timeout_s`` from the moment its previous answer arrive
   item queued behind it goes to another worker.
 
 Both count in :attr:`RewardBatch.num_timeouts` and give reward 0.0; an exception in the reward function
-gives 0.0 and counts in :attr:`RewardBatch.num_errors`. A worker that dies on its own (the out-of-memory
+(:class:`~rlfleet.rewards.math.InvalidGoldError` for a gold that is not an answer, say) gives 0.0, counts in
+:attr:`RewardBatch.num_errors`, and the first one of each exception type is logged (once per pool, with its
+message). A worker that dies on its own (the out-of-memory
 killer) is replaced and its unanswered items are re-run on a fresh worker; a second death on the same item
 raises RuntimeError.
 """
@@ -25,6 +27,7 @@ raises RuntimeError.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import multiprocessing
 import pickle
@@ -44,6 +47,12 @@ from rlfleet.rewards.verify import VerificationTimeout, time_budget
 
 Item = tuple[str, str, str]
 """``(prompt, response, gold)``."""
+ErrorText = tuple[str, str]
+"""``(exception type name, message)`` of a reward function that raised."""
+Scored = tuple[int, float, ErrorText | None]
+"""``(status, reward, error)`` of one item, as a worker sends it back."""
+
+log = logging.getLogger(__name__)
 
 STATUS_OK, STATUS_TIMEOUT, STATUS_ERROR = 0, 1, 2
 _READY = "ready"
@@ -52,6 +61,7 @@ MAX_WAIT_S = 1.0
 MAX_STARTUP_FAILURES = 3
 _PIPELINE_DEPTH = 2
 _PRELOAD = ["rlfleet.rewards"]
+_MAX_ERROR_CHARS = 1_000
 
 
 @dataclass(frozen=True)
@@ -72,15 +82,16 @@ class RewardBatch:
 # ------------------------------------------------------------------------------------------- worker side
 
 
-def score_one(fn: RewardFn, item: Item, soft_timeout_s: float) -> tuple[int, float]:
+def score_one(fn: RewardFn, item: Item, soft_timeout_s: float) -> Scored:
+    """Scores one item within a soft budget; any failure of the reward function is a counted 0.0."""
     try:
         with time_budget(soft_timeout_s):
             value = float(fn(*item))
     except VerificationTimeout:
-        return STATUS_TIMEOUT, 0.0
-    except Exception:  # any failure of the reward function is one counted 0.0
-        return STATUS_ERROR, 0.0
-    return STATUS_OK, value
+        return STATUS_TIMEOUT, 0.0, None
+    except Exception as exc:  # the parent counts it and logs the first one of its type
+        return STATUS_ERROR, 0.0, (type(exc).__name__, str(exc)[:_MAX_ERROR_CHARS])
+    return STATUS_OK, value, None
 
 
 def _worker_main(conn: Connection, reward: RewardFn | str, soft_timeout_s: float) -> None:
@@ -126,6 +137,7 @@ class PendingItems:
         self.startup_failures = 0
         self.num_timeouts = 0
         self.num_errors = 0
+        self.first_errors: dict[str, str] = {}  # exception type name -> the first message of that type
 
     def take(self, count: int) -> list[int]:
         return [self.pending.popleft() for _ in range(min(count, len(self.pending)))]
@@ -133,10 +145,12 @@ class PendingItems:
     def requeue(self, indices: Sequence[int]) -> None:
         self.pending.extendleft(reversed(indices))
 
-    def record(self, index: int, status: int, value: float) -> None:
+    def record(self, index: int, status: int, value: float, error: ErrorText | None = None) -> None:
         self.rewards[index] = value if status == STATUS_OK else 0.0
         self.num_timeouts += status == STATUS_TIMEOUT
         self.num_errors += status == STATUS_ERROR
+        if error is not None:
+            self.first_errors.setdefault(*error)
         self.remaining -= 1
 
 
@@ -155,6 +169,13 @@ def checked_reward(reward_fn: RewardFn | str) -> RewardFn | str:
             "function (not a lambda or a nested function) or its dotted path"
         ) from exc
     return reward_fn
+
+
+def _name_of(reward: RewardFn | str) -> str:
+    """A reward function's dotted path, for messages."""
+    if isinstance(reward, str):
+        return reward
+    return f"{getattr(reward, '__module__', '?')}.{getattr(reward, '__qualname__', repr(reward))}"
 
 
 class ScoringPool(ABC):
@@ -183,6 +204,7 @@ class ScoringPool(ABC):
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self._closed = False
+        self._logged_errors: set[str] = set()  # exception types already logged by this pool
 
     def score(self, items: Sequence[Item]) -> RewardBatch:
         """Scores ``(prompt, response, gold)`` items; rewards come back in input order.
@@ -201,7 +223,23 @@ class ScoringPool(ABC):
         except BaseException:
             self._abandon_in_flight()  # no stale result or busy worker may reach the next batch
             raise
+        self._log_new_errors(batch.first_errors)
         return RewardBatch(batch.rewards, batch.num_timeouts, batch.num_errors)
+
+    def _log_new_errors(self, first_errors: dict[str, str]) -> None:
+        """Logs the first error of each exception type this pool has not logged before."""
+        for name, message in first_errors.items():
+            if name in self._logged_errors:
+                continue
+            self._logged_errors.add(name)
+            log.error(
+                "reward function %s raised %s: %s -- such items score 0.0 and count in num_errors "
+                "(train/reward_errors); further %s errors of this pool are counted, not logged",
+                _name_of(self._reward),
+                name,
+                message,
+                name,
+            )
 
     def wait_ready(self) -> None:
         """Blocks until every worker has loaded the reward function (:meth:`score` does not need this)."""
@@ -385,9 +423,9 @@ class VerifierPool(ScoringPool):
                 if message == _READY:
                     worker.ready = True
                     continue
-                index, status, value = message
+                index, status, value, error = message
                 if worker.in_flight and index == worker.in_flight[0]:
-                    batch.record(worker.in_flight.popleft(), status, value)
+                    batch.record(worker.in_flight.popleft(), status, value, error)
                     worker.deadline = time.monotonic() + self.timeout_s if worker.in_flight else math.inf
         except (EOFError, OSError):
             self._on_death(worker, batch)

@@ -7,6 +7,8 @@ An actor that dies (killed, crashed, lost its node) or misses a deadline is kill
 chunk is re-run: a chunk of several items is split into single items first, free of charge (the culprit is
 unknown), then a single item that fails again is retried up to ``max_retries`` times and then recorded as a
 timeout (deadline) or an error (death), with reward 0.0. Every wait on Ray is bounded: the pool never hangs.
+An exception in the reward function is a counted error with reward 0.0, logged once per type, as in a
+:class:`VerifierPool`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from rlfleet.rewards.pool import (
     STATUS_TIMEOUT,
     Item,
     PendingItems,
+    Scored,
     ScoringPool,
     score_one,
 )
@@ -49,8 +52,8 @@ class _VerifierActor:
             self._fn = load_reward_fn(self._reward) if isinstance(self._reward, str) else self._reward
         return os.getpid()
 
-    def score(self, items: list[Item]) -> list[tuple[int, float]]:
-        """``(status, reward)`` per item, as a :class:`VerifierPool` worker scores them."""
+    def score(self, items: list[Item]) -> list[Scored]:
+        """``(status, reward, error)`` per item, as a :class:`VerifierPool` worker scores them."""
         self.ready()
         assert self._fn is not None
         return [score_one(self._fn, item, self._soft_timeout_s) for item in items]
@@ -220,8 +223,8 @@ class RayVerifierPool(ScoringPool):
         except Exception:  # the actor died (or the task broke): replace it and re-run its chunk
             self._fail(slot, STATUS_ERROR, batch)
             return
-        for index, (status, value) in zip(slot.chunk, results, strict=True):
-            batch.record(index, status, value)
+        for index, (status, value, error) in zip(slot.chunk, results, strict=True):
+            batch.record(index, status, value, error)
         slot.chunk, slot.ref, slot.deadline = [], None, math.inf
 
     def _fail(self, slot: _Slot, status: int, batch: _RetryBatch) -> None:
