@@ -24,8 +24,8 @@ from rlfleet.data import (
     resolve_system_prompt,
 )
 from rlfleet.data.prompts import check_prompt_template
-from rlfleet.data.response_dataset import _extract_gold
 from rlfleet.models.tiny import train_tokenizer
+from rlfleet.rewards.math import InvalidGoldError, gold_answer
 
 GSM8K_TEST = Path(__file__).resolve().parents[1] / "data" / "gsm8k" / "test.jsonl"  # 1,319 rows, MIT
 GOOD = [
@@ -41,6 +41,10 @@ BAD_ROWS: dict[str, tuple[str, str]] = {
     "empty_question": ('{"question": "  ", "answer": "#### 5"}', "empty question"),
     "empty_output": ('{"question": "What?", "answer": ""}', "empty output"),
     "no_gold": ('{"question": "What?", "answer": "work shown\\n#### "}', "no gold answer"),
+    "rationale_without_answer": (
+        '{"question": "What?", "answer": "She has 3.\\nThen 4 more."}',
+        "spans several lines",
+    ),
     "question_not_text": ('{"question": 7, "answer": "#### 7"}', "not text"),
 }
 
@@ -291,10 +295,16 @@ def test_arithmetic_reports_no_bad_rows() -> None:
         ("#### ", None),
         ("\\boxed{}", None),
         ("\\boxed{1", None),
+        ("Janet has 3 eggs.\nShe buys 4 more, so she has 7.", None),  # a rationale with no final answer
     ],
 )
 def test_gold_extraction(output: str, gold: str | None) -> None:
-    assert _extract_gold(output) == gold
+    """Dataset rows take their gold from ``rewards.gold_answer``; a row without one is a bad row."""
+    if gold is None:
+        with pytest.raises(InvalidGoldError):
+            gold_answer(output)
+    else:
+        assert gold_answer(output) == gold
 
 
 # ----------------------------------------------------------------------------------------------- prompts

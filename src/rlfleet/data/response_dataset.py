@@ -16,7 +16,7 @@ from rlfleet.config.schema import DataConfig
 from rlfleet.data.errors import DataError
 from rlfleet.data.sources import read_rows
 from rlfleet.data.types import Example
-from rlfleet.rewards.math import extract_gold
+from rlfleet.rewards.math import InvalidGoldError, gold_answer
 
 RESPONSE_DEFAULTS: dict[str, str] = {
     "train_split": "train",
@@ -31,7 +31,6 @@ GSM8K_DEFAULTS: dict[str, str] = {
     "subset": "main",
 }
 MAX_BAD_ROW_SAMPLES = 5
-_BOXED = "\\boxed{"
 
 
 class _BadRow(Exception):
@@ -176,19 +175,8 @@ def _parse_row(value: object, input_key: str, output_key: str) -> Example:
         raise _BadRow(f"the output {output_key!r} is a JSON {_json_type(output)}, not text")
     if not output.strip():
         raise _BadRow(f"empty output in {output_key!r}")
-    gold = _extract_gold(output)
-    if not gold:
-        raise _BadRow(
-            f"no gold answer can be extracted from the output {output_key!r} (ends {output[-60:]!r}); end "
-            "it with '#### <answer>' or '\\boxed{<answer>}'"
-        )
+    try:
+        gold = gold_answer(output)
+    except InvalidGoldError as exc:
+        raise _BadRow(f"no gold answer in the output {output_key!r} (ends {output[-60:]!r}): {exc}") from None
     return Example(question=question, answer=output, gold=gold)
-
-
-def _extract_gold(output: str) -> str | None:
-    """The gold answer of a dataset row: ``rewards.extract_gold`` (``#### N`` or ``\\boxed{}``), else, when
-    the output has neither marker, the whole stripped output (a bare answer column such as ``"72"``)."""
-    gold = extract_gold(output)
-    if gold is None and "####" not in output and _BOXED not in output:
-        gold = output.strip() or None
-    return gold
