@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
@@ -15,7 +16,13 @@ class HFGenerationBackend:
     """Samples with ``model.generate``, sharing the policy's module (so refit is a no-op).
 
     Sampling is batch-invariant (see ``rlfleet.generation.sampling``): row ``i`` of a call seeded with
-    ``seed`` draws from its own seed, so splitting the rows over workers gives the same responses.
+    ``seed`` draws from its own seed, so splitting the rows over workers, or regrouping them, gives the
+    same responses. Prompts are batched longest first, so each ``generate`` call pads to a similar width.
+    Memory is ``[B, N]`` per call, not ``[B, N, V]``: the sampler records each drawn token's logprob and
+    no step's full-vocabulary logits are kept.
+
+    ``SamplingParams`` are the whole sampling spec: the model's own ``generation_config`` (a checkpoint's
+    repetition penalty, temperature, suppressed tokens) is ignored, so the sampler sees raw logits.
 
     Args:
         model: The causal LM; generation runs in eval mode and restores the previous mode.
@@ -46,19 +53,20 @@ class HFGenerationBackend:
     def generate_rows(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
     ) -> list[GenerationResult]:
-        """One response per prompt, row ``i`` sampled from ``seeds[i]`` alone."""
+        """One response per prompt, row ``i`` sampled from ``seeds[i]`` alone, in the prompts' order."""
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         was_training = self.model.training
         self.model.eval()
+        results: dict[int, GenerationResult] = {}
         try:
-            results: list[GenerationResult] = []
-            for start in range(0, len(prompts), self.batch_size):
-                stop = start + self.batch_size
-                results.extend(self._generate_batch(prompts[start:stop], params, seeds[start:stop]))
-            return results
+            with _without_model_generation_defaults(self.model):
+                for rows in length_sorted_batches(prompts, self.batch_size):
+                    batch = self._generate_batch([prompts[i] for i in rows], params, [seeds[i] for i in rows])
+                    results.update(zip(rows, batch, strict=True))
         finally:
             self.model.train(was_training)
+        return [results[i] for i in range(len(prompts))]
 
     def _generate_batch(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
@@ -76,29 +84,22 @@ class HFGenerationBackend:
             eos_token_id=eos,
             pad_token_id=pad,
             use_cache=True,
-            return_dict_in_generate=True,
-            output_logits=not params.greedy,
+            return_dict_in_generate=False,
+            output_logits=False,  # the sampler records the drawn tokens' logprobs instead
+            output_scores=False,
         )
-        processors = LogitsProcessorList(
-            [] if params.greedy else [SeededRowSampler(seeds, params, prompt_width=width)]
-        )
-        out = self.model.generate(
+        sampler = None if params.greedy else SeededRowSampler(seeds, params, prompt_width=width)
+        sequences = self.model.generate(
             input_ids=input_ids.to(self.model.device),
             attention_mask=attention.to(self.model.device),
             generation_config=config,
-            logits_processor=processors,
+            logits_processor=LogitsProcessorList([] if sampler is None else [sampler]),
         )
-        new_tokens = out.sequences[:, width:].cpu()  # [B, N]
-        logprobs = self._sampler_logprobs(out.logits, new_tokens, params) if not params.greedy else None
+        new_tokens = sequences[:, width:].cpu()  # [B, N]
+        logprobs = None if sampler is None else sampler.logprobs().cpu()  # [B, N]
+        if logprobs is not None and logprobs.shape != new_tokens.shape:
+            raise RuntimeError(f"sampler saw {logprobs.shape[1]} steps, generate made {new_tokens.shape[1]}")
         return [self._result(new_tokens[i], logprobs, i, eos) for i in range(len(prompts))]
-
-    @staticmethod
-    def _sampler_logprobs(
-        logits: tuple[torch.Tensor, ...], tokens: torch.Tensor, params: SamplingParams
-    ) -> torch.Tensor:
-        stacked = torch.stack(logits, dim=1).float().cpu() / params.temperature  # [B, N, V]
-        picked = stacked.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        return picked - torch.logsumexp(stacked, dim=-1)  # [B, N]
 
     def _result(self, row: torch.Tensor, logprobs: torch.Tensor | None, i: int, eos: int) -> GenerationResult:
         ids = row.tolist()
@@ -108,3 +109,28 @@ class HFGenerationBackend:
         lps = tuple(logprobs[i, :length].tolist()) if logprobs is not None else (0.0,) * length
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return GenerationResult(token_ids=tuple(ids), logprobs=lps, text=text, finished=finished)
+
+
+def length_sorted_batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
+    """Row indices grouped into batches of similar prompt length, longest first.
+
+    Similar widths cut left padding; longest first makes a batch too big for memory fail on the first call.
+    """
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+@contextmanager
+def _without_model_generation_defaults(model: PreTrainedModel) -> Iterator[None]:
+    """Hides the model's ``generation_config`` while generating.
+
+    ``generate`` fills every field our config leaves unset from it, and some (``repetition_penalty``,
+    ``suppress_tokens``, ``bad_words_ids``...) add logits processors ahead of the sampler: it would then draw
+    from, and score, other logits than the ones the trainer computes.
+    """
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved

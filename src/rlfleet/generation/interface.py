@@ -24,7 +24,8 @@ class GenerationResult:
 
     Attributes:
         token_ids: Response tokens, ending with EOS when the model stopped by itself.
-        logprobs: The sampler's logprob of each response token (logits / temperature; 0.0 when greedy).
+        logprobs: The logprob of each response token under ``softmax(logits / temperature)`` over
+            the full vocabulary, before top-k/top-p (0.0 when greedy).
         text: The response decoded without special tokens.
         finished: True when the model emitted EOS before ``max_new_tokens``.
     """

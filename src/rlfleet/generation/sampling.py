@@ -5,6 +5,9 @@ it: then one generation worker and two (or a dedicated pool) give the same sampl
 reproduced across layouts. Each row gets a seed derived from the step seed and the row's index in the
 whole step; its uniforms are drawn up front, and each token is picked by inverse-CDF sampling from the
 row's filtered distribution (temperature, top-k, top-p).
+
+The sampler also records each drawn token's logprob as it goes, so generation never keeps a step's
+full-vocabulary logits: memory stays ``[B, N]`` instead of ``[B, N, V]``.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ def row_seeds(seed: int, count: int, offset: int = 0) -> list[int]:
     return out
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """``[B, V]`` sampling distribution: softmax of ``logits / temperature`` restricted by top-k and top-p."""
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+def filtered_probs(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``[B, V]`` sampling distribution: softmax of ``scaled`` (logits / temperature), top-k/top-p applied."""
+    probs = torch.softmax(scaled, dim=-1)
     top_k = params.top_k or 0
     if top_k <= 0 and params.top_p >= 1.0:
         return probs
@@ -60,7 +63,8 @@ class SeededRowSampler(LogitsProcessor):
     """A logits processor that turns greedy decoding into per-row seeded sampling.
 
     It replaces the scores with a one-hot (0 at the sampled token, -inf elsewhere), so HF's greedy search
-    emits exactly the token this processor drew.
+    emits exactly the token this processor drew. It must be the only processor, so that the scores it sees
+    are the model's raw logits (see ``HFGenerationBackend``).
 
     Args:
         seeds: One seed per row of the batch.
@@ -76,10 +80,32 @@ class SeededRowSampler(LogitsProcessor):
             for s in seeds
         ]
         self.uniforms = torch.stack(draws) if draws else torch.empty((0, params.max_new_tokens))
+        self._steps: list[torch.Tensor] = []  # per step, [B] logprobs of the drawn tokens
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         position = input_ids.shape[1] - self.prompt_width
-        probs = filtered_probs(scores, self.params)
+        scaled = scores.float() / self.params.temperature  # [B, V], drawn from and scored
+        probs = filtered_probs(scaled, self.params)
         tokens = inverse_cdf_sample(probs, self.uniforms[:, position].to(probs.device))
+        self._steps.append(scaled_logprobs(scaled, tokens))
         onehot = torch.full_like(scores, float("-inf"))
         return onehot.scatter_(-1, tokens.unsqueeze(-1), 0.0)
+
+    def logprobs(self) -> torch.Tensor:
+        """``[B, steps]`` logprob of each drawn token, on the scores' device.
+
+        After a row's EOS, HF emits padding instead of the drawn token; those entries are meaningless and
+        callers cut each row at its EOS.
+        """
+        if not self._steps:
+            return torch.empty((len(self.uniforms), 0))
+        return torch.stack(self._steps, dim=1)
+
+
+def scaled_logprobs(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``[B]`` logprob of ``tokens`` under ``softmax(scaled)`` over the full vocabulary.
+
+    With ``scaled = logits / temperature``: before top-k/top-p, as the trainer computes it.
+    """
+    picked = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)
