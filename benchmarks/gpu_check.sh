@@ -5,6 +5,10 @@
 #
 #     bash benchmarks/gpu_check.sh            # from the repository root; OUT=<dir> keeps the outputs there
 #
+# With the device tool: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=600). Each
+# GPU test is limited to 300 s and the benchmark to 420 s (GPU_STEP_TIMEOUT), so a hang still leaves the
+# outputs written so far in $OUT (tests: gpu_tests.txt/.xml; benchmark: gpu_step.txt/.json/.log, its logs).
+#
 # Exit code: 0 when the tests and the benchmark passed; 1 otherwise (both always run once a GPU is found);
 # 2 when there is no GPU or rlfleet cannot be imported.
 #
@@ -119,8 +123,8 @@ EOF
 status=0
 # --- 4. the GPU tests -----------------------------------------------------------------------------------
 say "pytest tests/gpu -m gpu"
-"$PYTHON" -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" \
-    2>&1 | tee "$OUT/gpu_tests.txt"
+"$PYTHON" -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider -o timeout=300 \
+    --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 # --- 5. the GRPO step table -----------------------------------------------------------------------------
@@ -128,7 +132,7 @@ say "benchmarks/gpu_step.py"
 # The run directory holds the model (hundreds of MB) and stays out of $OUT; its logs are copied back.
 RUN_DIR=/tmp/rlfleet-gpu-step
 rm -rf "$RUN_DIR"
-"$PYTHON" benchmarks/gpu_step.py --run-dir "$RUN_DIR" --json "$OUT/gpu_step.json" \
+timeout "${GPU_STEP_TIMEOUT:-420}" "$PYTHON" benchmarks/gpu_step.py --run-dir "$RUN_DIR" --json "$OUT/gpu_step.json" \
     2>"$OUT/gpu_step.log" | tee "$OUT/gpu_step.txt"
 if [ "${PIPESTATUS[0]}" -ne 0 ]; then
     status=1
