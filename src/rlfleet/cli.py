@@ -1,4 +1,10 @@
-"""The ``rlfleet`` command line."""
+"""The ``rlfleet`` command line.
+
+An error the user must fix (a config key, a data row, a checkpoint, cluster capacity, a missing optional
+extra, a path that does not exist) prints its message alone and exits with code 2; ``--debug`` (or the
+environment variable ``RLFLEET_DEBUG=1``) prints the traceback as well. Any other error is a bug: Python's
+traceback, exit code 1.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,8 +27,20 @@ from rlfleet.config import (
     unsupported_settings,
 )
 from rlfleet.deploy.cli import add_deploy_commands
+from rlfleet.deploy.gke import DeployError
+from rlfleet.errors import UserError
 
 log = logging.getLogger("rlfleet")
+
+DEBUG_ENV = "RLFLEET_DEBUG"
+# Top-level module of an optional dependency -> the extra of pyproject.toml that installs it.
+OPTIONAL_EXTRAS = {
+    "ray": "ray",
+    "wandb": "wandb",
+    "mlflow": "mlflow",
+    "kubernetes_validate": "k8s",
+    "jsonschema": "k8s",
+}
 
 
 def _quiet_third_party() -> None:
@@ -75,6 +94,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     target = Path(args.target)
     checkpoint = target if (target / "config.yaml").is_file() else None
+    if checkpoint is not None:
+        from rlfleet.checkpoint import verify_checkpoint
+
+        verify_checkpoint(checkpoint)
     recipe = str(target / "config.yaml") if checkpoint else args.target
     cfg = _load(recipe, args.overrides)
     ensure_runnable(cfg)
@@ -104,6 +127,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlfleet", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help=f"print the traceback of errors that are reported as a message only (or set {DEBUG_ENV}=1)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("grpo", "GRPO training"), ("sft", "supervised fine-tuning")):
         p = sub.add_parser(name, help=help_text, description=f"{help_text}: RECIPE plus key=value overrides")
@@ -136,6 +164,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def user_error_message(exc: BaseException) -> str | None:
+    """What to print for an error the user must fix, or None when ``exc`` is a bug (shown with a traceback).
+
+    An exception raised inside a Ray actor arrives wrapped (a ``RayTaskError`` whose ``cause`` is the
+    original); it is judged, and printed, by that original.
+    """
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        exc = cause
+    if isinstance(exc, ConfigError):
+        return f"configuration error:\n{exc}"
+    if isinstance(exc, UserError | DeployError | FileNotFoundError):
+        return f"error: {exc}"
+    if isinstance(exc, ModuleNotFoundError):
+        module = (exc.name or "").split(".")[0]
+        if module in OPTIONAL_EXTRAS:
+            return (
+                f"error: this needs the optional package {module!r}, which is not installed; "
+                f"fix: pip install 'rlfleet[{OPTIONAL_EXTRAS[module]}]'"
+            )
+    return None
+
+
+def debug_requested(flag: bool) -> bool:
+    """``--debug``, or ``RLFLEET_DEBUG`` set to 1/true/yes/on."""
+    return flag or os.environ.get(DEBUG_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -144,11 +200,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     _quiet_third_party()
     try:
         return int(args.func(args))
-    except ConfigError as exc:
-        print(f"rlfleet: configuration error:\n{exc}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as exc:
-        print(f"rlfleet: error: {exc}", file=sys.stderr)
+    except Exception as exc:
+        message = user_error_message(exc)
+        if message is None:
+            raise
+        if debug_requested(args.debug):
+            traceback.print_exception(exc, file=sys.stderr)
+        print(f"rlfleet: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(

@@ -1,16 +1,29 @@
-"""The command line: bad input fails fast with a clear message and exit code 2; export round-trips."""
+"""The command line: bad input fails fast with a clear message and exit code 2 (the traceback only with
+--debug or RLFLEET_DEBUG=1); a corrupt checkpoint is skipped on resume and refused by eval/export; export
+round-trips."""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM
 
 from rlfleet.algorithms.grpo import GRPO
-from rlfleet.cli import main
+from rlfleet.checkpoint import CheckpointManager, save_policy, verify_checkpoint
+from rlfleet.cli import main, user_error_message
+from rlfleet.config import quote_override_value
 from tests.conftest import small_grpo_config, small_grpo_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARD = "policy/weights/__0_0.distcp"
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -77,3 +90,133 @@ def test_train_then_export_loads_with_from_pretrained(capsys, tiny_model_dir: Pa
     trained = GRPO(small_grpo_config(tiny_model_dir, tmp_path, "grpo.max_num_steps=2")).ctx.worker.model
     ids = torch.tensor([[5, 6, 7, 8]])
     torch.testing.assert_close(exported(ids).logits, trained(ids).logits)
+
+
+# ----------------------------------------------------------------------------------------- user errors
+
+
+def bad_row_overrides(tmp_path: Path) -> list[str]:
+    good = json.dumps({"question": "What is 2 + 3?", "answer": "#### 5"})
+    train = tmp_path / "train.jsonl"
+    train.write_text(good + "\n" + json.dumps({"question": "What is 1 + 1?"}) + "\n")  # line 2: no answer
+    val = tmp_path / "val.jsonl"
+    val.write_text(good + "\n")
+    return [
+        "data.dataset_name=ResponseDataset",
+        f"data.train_data_path={quote_override_value(str(train))}",
+        f"data.val_data_path={quote_override_value(str(val))}",
+    ]
+
+
+def test_bad_data_row_is_a_message_with_exit_2_and_no_traceback(capsys, tiny_model_dir: Path, tmp_path):
+    overrides = [*small_grpo_overrides(tiny_model_dir, tmp_path), *bad_row_overrides(tmp_path)]
+    code, _, err = run_cli(capsys, "grpo", "grpo-tiny-arithmetic-cpu", *overrides)
+    assert code == 2
+    assert "train.jsonl:2" in err and "data.on_bad_row=skip" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("how", ["--debug", "RLFLEET_DEBUG=1"])
+def test_debug_shows_the_traceback(capsys, monkeypatch, tiny_model_dir: Path, tmp_path, how: str):
+    overrides = [*small_grpo_overrides(tiny_model_dir, tmp_path), *bad_row_overrides(tmp_path)]
+    flags = [how] if how.startswith("--") else []
+    if not flags:
+        monkeypatch.setenv("RLFLEET_DEBUG", "1")
+    code, _, err = run_cli(capsys, *flags, "grpo", "grpo-tiny-arithmetic-cpu", *overrides)
+    assert code == 2
+    assert "Traceback (most recent call last)" in err and "DataError" in err
+    assert err.rstrip().splitlines()[-1].startswith("rlfleet: error:")  # the message still comes last
+
+
+def test_config_error_exits_2_without_traceback_in_a_real_process():
+    env = {k: v for k, v in os.environ.items() if k != "RLFLEET_DEBUG"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    argv = ["validate", "grpo-tiny-arithmetic-cpu", "policy.train_micro_batch_size=abc"]
+    result = subprocess.run(
+        [sys.executable, "-m", "rlfleet.cli", *argv], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 2
+    assert "policy.train_micro_batch_size" in result.stderr and "Traceback" not in result.stderr
+
+
+class FakeRayTaskError(Exception):
+    """What ``ray.get`` raises for an exception inside an actor: the original is its ``cause``."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"ray::Worker.call() (pid=1)\nTraceback ...\n{cause}")
+        self.cause = cause
+
+
+def test_which_errors_are_the_users_to_fix():
+    from rlfleet.data import DataError
+
+    missing_extra = ModuleNotFoundError("No module named 'wandb'", name="wandb")
+    assert "pip install 'rlfleet[wandb]'" in (user_error_message(missing_extra) or "")
+    k8s = ModuleNotFoundError("No module named 'kubernetes_validate'", name="kubernetes_validate")
+    assert "rlfleet[k8s]" in (user_error_message(k8s) or "")
+    assert user_error_message(ModuleNotFoundError("No module named 'torchx'", name="torchx")) is None
+    assert user_error_message(FileNotFoundError("no such model dir")) == "error: no such model dir"
+    wrapped = user_error_message(FakeRayTaskError(DataError("bad row at x.jsonl:3")))
+    assert wrapped == "error: bad row at x.jsonl:3"
+    assert user_error_message(RuntimeError("a bug")) is None
+    assert user_error_message(FakeRayTaskError(KeyError("a bug"))) is None
+
+
+def test_cluster_capacity_is_a_user_error():
+    pytest.importorskip("ray")
+    from rlfleet.distributed.cluster import ClusterCapacityError
+
+    message = user_error_message(ClusterCapacityError("placement groups not ready after 60s: need 8 GPU"))
+    assert message == "error: placement groups not ready after 60s: need 8 GPU"
+
+
+# ----------------------------------------------------------------------------------- corrupt checkpoints
+
+
+def corrupt_checkpoint(root: Path) -> Path:
+    manager = CheckpointManager(root, metric_name=None, higher_is_better=True, keep_top_k=None)
+    linear = nn.Linear(2, 2)
+    recipe = "policy:\n  model_name: does-not-matter\n"
+    path = manager.save(
+        1,
+        config_yaml=recipe,
+        training_info={},
+        dataloader_state={},
+        write_policy=lambda d: save_policy(d, linear, None, None, None),
+    )
+    shard = path / SHARD
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return path
+
+
+@pytest.mark.parametrize("command", ["eval", "export"])
+def test_eval_and_export_refuse_a_corrupt_checkpoint(capsys, tmp_path, command: str):
+    step_dir = corrupt_checkpoint(tmp_path / "ckpt")
+    argv = [command, str(step_dir), *([str(tmp_path / "out")] if command == "export" else [])]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert "is corrupt" in err and SHARD in err and "truncated" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_skips_a_truncated_newest_checkpoint(caplog, tiny_model_dir: Path, tmp_path: Path):
+    """The newest checkpoint's weight shard cut in half (a node died while GCS FUSE copied it): the rerun
+    resumes from the checkpoint before it and finishes, instead of crashing on every retry."""
+    overrides = [*small_grpo_overrides(tiny_model_dir, tmp_path), "grpo.max_num_steps=4", "grpo.val_period=0"]
+    assert main(["grpo", "grpo-tiny-arithmetic-cpu", *overrides]) == 0
+    shard = tmp_path / "ckpt" / "step_4" / SHARD
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with caplog.at_level(logging.INFO):
+        assert main(["grpo", "grpo-tiny-arithmetic-cpu", *overrides]) == 0
+    assert f"Skipping checkpoint {tmp_path / 'ckpt' / 'step_4'}: {SHARD}" in caplog.text
+    assert f"resumed from {tmp_path / 'ckpt' / 'step_2'} (step 2)" in caplog.text
+    assert verify_checkpoint(tmp_path / "ckpt" / "step_4")  # step 4 was trained and saved again
+
+
+def test_no_usable_checkpoint_exits_2_listing_each(capsys, tiny_model_dir: Path, tmp_path: Path):
+    corrupt_checkpoint(tmp_path / "ckpt")
+    code, _, err = run_cli(
+        capsys, "grpo", "grpo-tiny-arithmetic-cpu", *small_grpo_overrides(tiny_model_dir, tmp_path)
+    )
+    assert code == 2
+    assert "none of the 1 checkpoint(s)" in err and f"step_1: {SHARD}" in err and "Traceback" not in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from transformers import (
 )
 
 from rlfleet.checkpoint import (
+    MANIFEST_FILE,
+    CheckpointError,
     CheckpointManager,
     capture_rng_state,
     export_hf,
@@ -31,6 +34,7 @@ from rlfleet.checkpoint import (
     load_policy,
     restore_rng_state,
     save_policy,
+    verify_checkpoint,
 )
 
 VOCAB = 64
@@ -246,7 +250,7 @@ def test_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
         assert all(torch.equal(value, new_state[idx][k]) for k, value in values.items())
 
     info = manager.load_training_info(latest)
-    assert info == {"step": 2, "consumed_samples": 8, "val/accuracy": 0.5}
+    assert info == {"step": 2, "consumed_samples": 8, "val/accuracy": 0.5, "manifest": MANIFEST_FILE}
     loader = manager.load_dataloader_state(latest)
     assert loader["index"] == 2 and torch.equal(loader["order"], torch.arange(4))
     assert yaml.safe_load((latest / "config.yaml").read_text())["policy"]["model_name"] == "base"
@@ -293,7 +297,14 @@ def test_save_is_atomic_and_replaces_stale_dirs(tmp_path: Path) -> None:
     path = save_step(manager, 1, {"val/accuracy": 0.1})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
     assert not (path / "garbage").exists()
-    expected = {"config.yaml", "training_info.json", "train_dataloader.pt", "rng_state.pt", "policy"}
+    expected = {
+        "config.yaml",
+        "training_info.json",
+        "train_dataloader.pt",
+        "rng_state.pt",
+        "policy",
+        MANIFEST_FILE,
+    }
     assert {p.name for p in path.iterdir()} == expected
 
     path = save_step(manager, 1, {"val/accuracy": 0.9})  # re-saving a step replaces it
@@ -336,6 +347,118 @@ def test_non_weights_only_dataloader_state_fails_at_save(tmp_path: Path, bad_val
         )
     assert manager.latest() is None
     assert not (tmp_path / "step_1").exists()
+
+
+# --------------------------------------------------------------------------- manager: corrupt checkpoints
+
+SHARD = "policy/weights/__0_0.distcp"
+
+
+def truncate(path: Path) -> None:
+    """What a node dying mid-copy leaves on a non-atomic filesystem: the file cut in half."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS: dict[str, tuple[Callable[[Path], None], str]] = {
+    "truncated": (truncate, "truncated"),
+    "missing": (lambda path: path.unlink(), "missing"),
+    "altered": (flip_last_byte, "SHA-256 differs"),
+}
+
+
+def test_manifest_lists_every_file_and_is_written_last(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, metric_name=None, higher_is_better=True, keep_top_k=None)
+    path = save_step(manager, 1)
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    on_disk = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+    assert sorted(manifest["files"]) == [name for name in on_disk if name != MANIFEST_FILE]
+    assert SHARD in manifest["files"] and "rng_state.pt" in manifest["files"]
+    newest_other = max((path / name).stat().st_mtime_ns for name in manifest["files"])
+    assert (path / MANIFEST_FILE).stat().st_mtime_ns >= newest_other
+    assert verify_checkpoint(path) is True
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_resume_skips_a_corrupt_checkpoint_and_picks_the_previous_good_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, corruption: str
+) -> None:
+    trio = make_trio()
+    manager = CheckpointManager(tmp_path, metric_name=None, higher_is_better=True, keep_top_k=None)
+    good = manager.save(
+        1, config_yaml="", training_info={}, dataloader_state={}, write_policy=policy_writer(trio)
+    )
+    train_step(*trio)
+    bad = save_step(manager, 2, writer=policy_writer(trio))
+    damage, reason = CORRUPTIONS[corruption]
+    damage(bad / SHARD)
+    with caplog.at_level(logging.WARNING, logger="rlfleet.checkpoint.manager"):
+        assert manager.latest() == good
+    warning = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Skipping"))
+    assert "step_2" in warning
+    assert SHARD in warning and reason in warning
+    model, optimizer, scheduler = make_trio(seed=9)
+    load_policy(good, model, optimizer, scheduler)  # the fallback really loads
+    with pytest.raises(CheckpointError, match=reason):
+        verify_checkpoint(bad)
+
+
+def test_missing_manifest_is_damage_but_a_pre_manifest_checkpoint_is_accepted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    manager = CheckpointManager(tmp_path, metric_name=None, higher_is_better=True, keep_top_k=None)
+    legacy = save_step(manager, 1)
+    (legacy / MANIFEST_FILE).unlink()
+    info = json.loads((legacy / "training_info.json").read_text())
+    del info["manifest"]
+    (legacy / "training_info.json").write_text(json.dumps(info))
+    cut_short = save_step(manager, 2)
+    (cut_short / MANIFEST_FILE).unlink()  # training_info.json records one: the copy was interrupted
+    with caplog.at_level(logging.WARNING, logger="rlfleet.checkpoint.manager"):
+        assert manager.latest() == legacy
+    assert "manifest.json: missing" in caplog.text
+    assert "cannot be verified" in caplog.text
+
+
+def test_unreadable_manifest_is_skipped(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, metric_name=None, higher_is_better=True, keep_top_k=None)
+    save_step(manager, 1)
+    truncate(save_step(manager, 2) / MANIFEST_FILE)
+    assert manager.latest() == tmp_path / "step_1"
+
+
+def test_no_usable_checkpoint_is_one_clear_error(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, metric_name=None, higher_is_better=True, keep_top_k=None)
+    truncate(save_step(manager, 1) / SHARD)
+    flip_last_byte(save_step(manager, 2) / "rng_state.pt")
+    (save_step(manager, 3) / "training_info.json").unlink()
+    with pytest.raises(CheckpointError) as info:
+        manager.latest()
+    message = str(info.value)
+    assert "none of the 3 checkpoint(s)" in message and "fix:" in message
+    assert f"step_1: {SHARD}:" in message and "truncated" in message
+    assert "step_2: rng_state.pt: SHA-256 differs" in message
+    assert "step_3: training_info.json: missing" in message
+
+
+def test_retention_never_deletes_what_resume_would_pick(tmp_path: Path) -> None:
+    """A corrupt step_6 left by an earlier attempt: after every save of the resumed run, ``latest()`` is the
+    checkpoint just saved, and it survives retention."""
+    earlier = CheckpointManager(tmp_path, metric_name=None, higher_is_better=True, keep_top_k=None)
+    truncate(save_step(earlier, 6, {"val/accuracy": 0.0}) / SHARD)
+    manager = CheckpointManager(tmp_path, metric_name="val/accuracy", higher_is_better=True, keep_top_k=1)
+    for step, acc in [(1, 0.9), (2, 0.1), (3, 0.2), (4, 0.0), (5, 0.0)]:
+        path = save_step(manager, step, {"val/accuracy": acc})
+        assert manager.latest() == path  # step_6 fails verification; the one just saved is kept
+    assert surviving_steps(tmp_path) == [1, 5, 6]
+    save_step(manager, 6, {"val/accuracy": 0.0})  # reaching step 6 again replaces the corrupt one
+    assert verify_checkpoint(tmp_path / "step_6") and surviving_steps(tmp_path) == [1, 6]
 
 
 # --------------------------------------------------------------------------- manager: retention
@@ -417,4 +540,20 @@ def test_export_hf_rejects_incomplete_checkpoints(tmp_path: Path, base_model_dir
     (tmp_path / "tmp_step_2").mkdir()
     with pytest.raises(FileNotFoundError, match="not a complete"):
         export_hf(tmp_path / "tmp_step_2", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_hf_refuses_a_corrupt_checkpoint(tmp_path: Path, base_model_dir: Path) -> None:
+    manager = CheckpointManager(tmp_path / "ckpt", metric_name=None, higher_is_better=True, keep_top_k=None)
+    trio = make_trio()
+    step_dir = manager.save(
+        1,
+        config_yaml=recipe_yaml(base_model_dir),
+        training_info={},
+        dataloader_state={},
+        write_policy=policy_writer(trio),
+    )
+    truncate(step_dir / SHARD)
+    with pytest.raises(CheckpointError, match="truncated"):
+        export_hf(step_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -1,4 +1,4 @@
-"""Checkpointing: atomic ``step_N`` directories (NeMo RL layout), DCP policy I/O, HF export."""
+"""Checkpointing: atomic, verified ``step_N`` directories (NeMo RL layout), DCP policy I/O, HF export."""
 
 from rlfleet.checkpoint.dcp_io import (
     capture_rng_state,
@@ -12,9 +12,13 @@ from rlfleet.checkpoint.manager import (
     CheckpointManager,
     is_complete_checkpoint,
     normalize_metric_name,
+    verify_checkpoint,
 )
+from rlfleet.checkpoint.manifest import MANIFEST_FILE, CheckpointError, verify_manifest, write_manifest
 
 __all__ = [
+    "MANIFEST_FILE",
+    "CheckpointError",
     "CheckpointManager",
     "build_model_from_name",
     "capture_rng_state",
@@ -25,4 +29,7 @@ __all__ = [
     "normalize_metric_name",
     "restore_rng_state",
     "save_policy",
+    "verify_checkpoint",
+    "verify_manifest",
+    "write_manifest",
 ]

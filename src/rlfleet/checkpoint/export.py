@@ -12,7 +12,7 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from rlfleet.checkpoint.dcp_io import TOKENIZER_DIR, load_model_state_dict, policy_dir
-from rlfleet.checkpoint.manager import CONFIG_FILE, is_complete_checkpoint
+from rlfleet.checkpoint.manager import CONFIG_FILE, is_complete_checkpoint, verify_checkpoint
 from rlfleet.models.loading import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -113,11 +113,13 @@ def export_hf(checkpoint_path: Path, out_dir: Path) -> Path:
 
     Raises:
         FileNotFoundError: ``checkpoint_path`` is not a complete checkpoint.
+        CheckpointError: Its files do not match its ``manifest.json`` (truncated, missing or altered).
         ValueError: The recipe lacks ``policy.model_name`` or the weights do not fit its architecture.
     """
     checkpoint_path = Path(checkpoint_path)
     out_dir = Path(out_dir)
     _require_complete(checkpoint_path)
+    verify_checkpoint(checkpoint_path)
     model_name, gguf_file = _model_name_from_config(checkpoint_path)
     state_dict = load_model_state_dict(checkpoint_path)
     model = build_model_from_name(model_name, gguf_file=gguf_file)

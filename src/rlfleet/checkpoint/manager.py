@@ -8,9 +8,14 @@ Layout (the NVIDIA NeMo RL one)::
         train_dataloader.pt    dataloader state dict
         rng_state.pt           Python / NumPy / torch RNG states
         policy/...             written by the ``write_policy`` callback (see ``dcp_io.save_policy``)
+        manifest.json          every other file's size and SHA-256, written last (see ``manifest``)
 
 A checkpoint is first written to ``tmp_step_N`` and renamed to ``step_N`` only once complete, so
-a crash mid-save never leaves a ``step_N`` that looks resumable.
+a crash mid-save never leaves a ``step_N`` that looks resumable. Where the rename is not atomic (a GCS
+FUSE mount copies), the manifest catches what a crash leaves: :meth:`CheckpointManager.latest` skips a
+checkpoint whose files do not match it, with a warning naming the file, and resumes from the newest one
+that does. A checkpoint saved before rlfleet wrote manifests (no ``manifest.json`` and no ``"manifest"``
+key in its ``training_info.json``) is accepted with a warning that it cannot be verified.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from rlfleet.checkpoint.dcp_io import (
     torch_load_safe,
     torch_save_checked,
 )
+from rlfleet.checkpoint.manifest import MANIFEST_FILE, CheckpointError, verify_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +53,8 @@ CONFIG_FILE = "config.yaml"
 TRAINING_INFO_FILE = "training_info.json"
 DATALOADER_FILE = "train_dataloader.pt"
 RNG_FILE = "rng_state.pt"
+# Key of training_info.json recording that the checkpoint has a manifest (so a missing one is damage).
+MANIFEST_KEY = "manifest"
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = "tmp_"
@@ -63,6 +71,44 @@ def is_complete_checkpoint(path: Path) -> bool:
     path = Path(path)
     weights_md = path / POLICY_DIR / WEIGHTS_DIR / DCP_METADATA_FILE
     return (path / TRAINING_INFO_FILE).is_file() and weights_md.is_file()
+
+
+def verify_checkpoint(path: Path) -> bool:
+    """Check that a ``step_N`` directory is complete and its files match its ``manifest.json``.
+
+    Returns:
+        True when verified; False for a checkpoint saved before rlfleet wrote manifests, which is accepted
+        with a warning that its files cannot be verified.
+
+    Raises:
+        CheckpointError: A required file is missing, a file does not match the manifest (missing, truncated,
+            altered), or the manifest itself is missing although ``training_info.json`` records it.
+    """
+    path = Path(path)
+    required = [TRAINING_INFO_FILE, f"{POLICY_DIR}/{WEIGHTS_DIR}/{DCP_METADATA_FILE}"]
+    missing = [f"{name}: missing" for name in required if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(path, missing, f"checkpoint {path} is incomplete:")
+    if verify_manifest(path):
+        return True
+    try:
+        info = json.loads((path / TRAINING_INFO_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(
+            path, [f"{TRAINING_INFO_FILE}: unreadable ({exc})"], f"checkpoint {path} is corrupt:"
+        ) from exc
+    if isinstance(info, Mapping) and info.get(MANIFEST_KEY):
+        problem = (
+            f"{MANIFEST_FILE}: missing, though {TRAINING_INFO_FILE} records one "
+            "(the save, or the copy behind its rename, was cut short)"
+        )
+        raise CheckpointError(path, [problem], f"checkpoint {path} is corrupt:")
+    logger.warning(
+        "Checkpoint %s has no %s (saved before rlfleet wrote manifests): its files cannot be verified.",
+        path,
+        MANIFEST_FILE,
+    )
+    return False
 
 
 def normalize_metric_name(name: str) -> str:
@@ -127,8 +173,8 @@ class CheckpointManager:
         metric_name: Key in ``training_info.json`` used to rank checkpoints (``:`` or ``/``
             separated, e.g. ``val:accuracy``); None ranks by recency.
         higher_is_better: Whether a larger metric value is better.
-        keep_top_k: Number of best checkpoints to keep (the newest one is always kept in
-            addition); None keeps every checkpoint.
+        keep_top_k: Number of best checkpoints to keep (the one just saved, and any newer one, are
+            always kept in addition); None keeps every checkpoint.
     """
 
     def __init__(
@@ -147,12 +193,8 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ discovery
 
-    def checkpoints(self, *, warn: bool = True) -> list[tuple[int, Path]]:
-        """All complete ``step_N`` checkpoints as ``(step, path)``, oldest first.
-
-        ``tmp_step_*`` (interrupted saves) and incomplete ``step_N`` directories are skipped, with a
-        warning when ``warn`` is set; unrelated names are ignored.
-        """
+    def _step_dirs(self, *, warn: bool) -> list[tuple[int, Path]]:
+        """Every ``step_N`` directory, complete or not, oldest first; ``tmp_``/``stale_`` ones are skipped."""
         if not self.checkpoint_dir.is_dir():
             return []
         found: list[tuple[int, Path]] = []
@@ -169,8 +211,18 @@ class CheckpointManager:
                 )
                 continue
             match = _STEP_RE.match(entry.name)
-            if match is None:
-                continue
+            if match is not None:
+                found.append((int(match.group(1)), entry))
+        return sorted(found)
+
+    def checkpoints(self, *, warn: bool = True) -> list[tuple[int, Path]]:
+        """All complete ``step_N`` checkpoints as ``(step, path)``, oldest first (their files unverified).
+
+        ``tmp_step_*`` (interrupted saves) and incomplete ``step_N`` directories are skipped, with a
+        warning when ``warn`` is set; unrelated names are ignored.
+        """
+        found: list[tuple[int, Path]] = []
+        for step, entry in self._step_dirs(warn=warn):
             if not is_complete_checkpoint(entry):
                 if not warn:
                     continue
@@ -183,13 +235,38 @@ class CheckpointManager:
                     DCP_METADATA_FILE,
                 )
                 continue
-            found.append((int(match.group(1)), entry))
-        return sorted(found)
+            found.append((step, entry))
+        return found
 
     def latest(self) -> Path | None:
-        """The highest-numbered complete ``step_N`` directory, or None when there is none."""
-        found = self.checkpoints()
-        return found[-1][1] if found else None
+        """The highest-numbered ``step_N`` directory that is complete and matches its manifest.
+
+        A checkpoint that fails (see :func:`verify_checkpoint`) is skipped with a warning naming the file and
+        the reason, and the one before it is tried.
+
+        Returns:
+            The checkpoint to resume from, or None when there is no ``step_N`` directory at all.
+
+        Raises:
+            CheckpointError: ``step_N`` directories exist but none passes; the message lists each and why.
+        """
+        rejected: list[str] = []
+        for _, path in reversed(self._step_dirs(warn=True)):
+            try:
+                verify_checkpoint(path)
+            except CheckpointError as err:
+                logger.warning("Skipping checkpoint %s: %s. Trying the one before it.", path, err.reason)
+                rejected.append(f"{path.name}: {err.reason}")
+                continue
+            return path
+        if rejected:
+            raise CheckpointError(
+                self.checkpoint_dir,
+                rejected,
+                f"none of the {len(rejected)} checkpoint(s) under {self.checkpoint_dir} can be resumed from:",
+                fix="fix: restore a good copy of one of them, or move them aside to start the run over",
+            )
+        return None
 
     # ------------------------------------------------------------------ saving
 
@@ -232,9 +309,10 @@ class CheckpointManager:
                     f"write_policy did not write {POLICY_DIR}/{WEIGHTS_DIR}/{DCP_METADATA_FILE} under "
                     f"{tmp}; it must save the policy (e.g. with rlfleet.checkpoint.save_policy)."
                 )
+            write_manifest(tmp)  # last: every rank's files are written (barrier / write_policy returned)
             self._commit(tmp, final)
             logger.info("Saved checkpoint %s", final)
-            self._apply_retention()
+            self._apply_retention(step)
         barrier()
         return final
 
@@ -254,7 +332,7 @@ class CheckpointManager:
     ) -> None:
         (tmp / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
         torch_save_checked(dict(dataloader_state), tmp / DATALOADER_FILE)
-        info = {**training_info, "step": step}
+        info = {**training_info, "step": step, MANIFEST_KEY: MANIFEST_FILE}
         text = json.dumps(info, indent=2, sort_keys=True, default=_json_default)
         (tmp / TRAINING_INFO_FILE).write_text(text + "\n", encoding="utf-8")
 
@@ -281,24 +359,37 @@ class CheckpointManager:
             return (1, 0.0, -step)
         return (0, -value if self.higher_is_better else value, -step)
 
-    def _apply_retention(self) -> None:
-        """Delete all but the ``keep_top_k`` best checkpoints, never the newest one."""
+    def _apply_retention(self, saved_step: int) -> None:
+        """Delete all but the ``keep_top_k`` best checkpoints, never ``saved_step`` nor a newer one.
+
+        ``latest()`` (what a resume uses) returns the newest checkpoint that verifies: the one just saved
+        (its manifest hashes the bytes on disk), unless a newer one (left by an earlier attempt) passes
+        first. Neither is ever deleted here, so a resume always finds what it would pick.
+        """
         if self.keep_top_k is None:
             return
         found = self.checkpoints(warn=False)
-        if not found:
-            return
-        newest = found[-1][0]
         if self.metric_name is None:
             ranked = sorted(found, key=lambda item: -item[0])
         else:
-            infos = {step: self.load_training_info(path) for step, path in found}
+            infos = {step: self._training_info_or_empty(path) for step, path in found}
             ranked = sorted(found, key=lambda item: self._rank_key(item[0], infos[item[0]]))
         for step, path in ranked[self.keep_top_k :]:
-            if step == newest:
+            if step >= saved_step:
                 continue
             logger.info("Removing checkpoint %s (keep_top_k=%d).", path, self.keep_top_k)
             shutil.rmtree(path)
+
+    @classmethod
+    def _training_info_or_empty(cls, path: Path) -> dict[str, Any]:
+        """``training_info.json``, or ``{}`` (ranks last) when it cannot be read."""
+        try:
+            return cls.load_training_info(path)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            logger.warning(
+                "Ranking checkpoint %s last: its %s is unreadable (%s).", path, TRAINING_INFO_FILE, exc
+            )
+            return {}
 
     # ------------------------------------------------------------------ loading
 

@@ -6,8 +6,10 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
+from rlfleet.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(ValueError, UserError):
     """A user-facing config problem.
 
     Each entry of ``problems`` is one self-contained line naming the dotted key, the offending value, the

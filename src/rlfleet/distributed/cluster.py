@@ -14,17 +14,19 @@ import socket
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
+from rlfleet.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 _REPORTED = ("CPU", "GPU", "memory")
 
 
-class ClusterCapacityError(RuntimeError):
+class ClusterCapacityError(RuntimeError, UserError):
     """The Ray cluster cannot hold the requested placement groups."""
 
 
-class ClusterConnectionError(ConnectionError):
+class ClusterConnectionError(ConnectionError, UserError):
     """The Ray cluster at the given address could not be reached."""
 
 
