@@ -27,7 +27,6 @@ from rlfleet.config import (
     unsupported_settings,
 )
 from rlfleet.deploy.cli import add_deploy_commands
-from rlfleet.deploy.gke import DeployError
 from rlfleet.errors import UserError
 
 log = logging.getLogger("rlfleet")
@@ -175,7 +174,7 @@ def user_error_message(exc: BaseException) -> str | None:
         exc = cause
     if isinstance(exc, ConfigError):
         return f"configuration error:\n{exc}"
-    if isinstance(exc, UserError | DeployError | FileNotFoundError):
+    if isinstance(exc, UserError | FileNotFoundError):
         return f"error: {exc}"
     if isinstance(exc, ModuleNotFoundError):
         module = (exc.name or "").split(".")[0]

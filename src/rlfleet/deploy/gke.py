@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 import rlfleet
+from rlfleet.errors import UserError
 
 __all__ = [
     "DEFAULT_IMAGE",
@@ -33,7 +34,7 @@ __all__ = [
 ]
 
 
-class DeployError(ValueError):
+class DeployError(UserError, ValueError):
     """A user-facing problem with deployment options; the message says what to change."""
 
 
