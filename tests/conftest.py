@@ -115,3 +115,19 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
         ray.shutdown()
         if address is not None:
             os.environ["RAY_ADDRESS"] = address
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    """A one-rank process group in this process (an in-memory store, no port); NCCL where CUDA is, else gloo.
+
+    For running a ``ShardedPolicyWorker`` (FSDP2 on a mesh of one) in the test process.
+    """
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

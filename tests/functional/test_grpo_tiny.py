@@ -10,6 +10,7 @@ import torch
 
 from rlfleet.algorithms.common import MACHINE_METRICS
 from rlfleet.algorithms.grpo import GRPO
+from rlfleet.distributed.parallelize import is_checkpointed
 from rlfleet.logging import read_metrics
 from rlfleet.policy.batch import collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
@@ -149,7 +150,7 @@ def test_activation_checkpointing_gives_the_same_update(tiny_model_dir: Path, tm
                 f"policy.dtensor_cfg.activation_checkpointing={flag}",
             )
         )
-        assert trainer.ctx.worker.model.is_gradient_checkpointing == (flag == "true")
+        assert is_checkpointed(trainer.ctx.worker.model) == (flag == "true")
         trainer.train()
         params.append(_params(trainer))
     for name, value in params[0].items():

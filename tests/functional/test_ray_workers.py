@@ -17,7 +17,7 @@ from rlfleet.distributed.cluster import (
 )
 from rlfleet.distributed.sharded_worker import ShardedPolicyWorker
 from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError
-from rlfleet.models.loading import ModelSource, load_model, load_tokenizer
+from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
@@ -106,7 +106,7 @@ def _batch(worker: PolicyWorker) -> TrainBatch:
 
 def test_two_rank_fsdp_step_equals_single_process_step(ray_cluster: None, tiny_model_dir: Path) -> None:
     path = str(tiny_model_dir)
-    single = PolicyWorker(load_model(path, "float32"), load_tokenizer(path), SETTINGS, keep_reference=False)
+    single = PolicyWorker(ModelSource(path), SETTINGS, keep_reference=False)
     batch = _batch(single)
     expected_lp = single.logprobs(batch, micro_batch_size=2)
     initial = {name: value.clone() for name, value in single.model.state_dict().items()}
@@ -136,9 +136,7 @@ def test_two_rank_fsdp_step_equals_single_process_step(ray_cluster: None, tiny_m
 
 def test_sharded_checkpoint_round_trip(ray_cluster: None, tiny_model_dir: Path, tmp_path: Path) -> None:
     path = str(tiny_model_dir)
-    batch = _batch(
-        PolicyWorker(load_model(path, "float32"), load_tokenizer(path), SETTINGS, keep_reference=False)
-    )
+    batch = _batch(PolicyWorker(ModelSource(path), SETTINGS, keep_reference=False))
     groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
     init = {"source": ModelSource(path), "settings": SETTINGS}
     group = RayWorkerGroup(ShardedPolicyWorker, groups, init, TIMEOUT_S)

@@ -73,13 +73,14 @@ def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> Polic
     """Loads the policy named by ``policy.model_name`` into an in-process worker with its optimizer."""
     settings = optimizer_settings(cfg)
     torch.manual_seed(seed)
-    source = model_source(cfg)
-    model = source.load_model()
-    if cfg.policy.dtensor_cfg.activation_checkpointing:
-        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
-    if torch.cuda.is_available():  # single-process GPU run; the Ray layer places multi-GPU workers
-        model.to("cuda")
-    return PolicyWorker(model, source.load_tokenizer(), settings, keep_reference=keep_reference)
+    # float32 master weights computing in policy.precision; on the GPU when there is one (the Ray layer
+    # places multi-GPU workers)
+    return PolicyWorker(
+        model_source(cfg),
+        settings,
+        keep_reference=keep_reference,
+        activation_checkpointing=cfg.policy.dtensor_cfg.activation_checkpointing,
+    )
 
 
 def build_backend(cfg: MasterConfig, worker: PolicyWorker) -> GenerationBackend:

@@ -155,7 +155,9 @@ class PolicyConfig(Strict):
     train_micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass.")
     logprob_batch_size: int = Field(16, ge=1, description="Sequences per logprob forward pass.")
     max_total_sequence_length: int = Field(512, ge=8)
-    precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    precision: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Compute dtype; trainable weights and AdamW state stay float32 (master copy)."
+    )
     max_grad_norm: float | None = Field(1.0, gt=0.0)
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()

@@ -149,6 +149,29 @@ def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
+def checkpoint_layers(model: PreTrainedModel) -> PreTrainedModel:
+    """Recomputes each decoder layer's activations in the backward pass (non-reentrant); in place.
+
+    The one way activation checkpointing is turned on, sharded or not. Wraps ``forward`` on each layer
+    instance, so ``nn.Module.__call__`` (and FSDP2's hooks) stay outside the checkpoint; outside autograd
+    (``torch.no_grad``) the layer runs plainly.
+
+    Raises:
+        ValueError: No decoder layers where ``decoder_layers`` looks; nothing changed.
+    """
+    for layer in decoder_layers(model):
+        layer.forward = functools.partial(_checkpointed, layer.forward)
+    return model
+
+
+def is_checkpointed(model: PreTrainedModel) -> bool:
+    """Whether ``checkpoint_layers`` wrapped ``model``'s decoder layers."""
+    return all(
+        isinstance(layer.forward, functools.partial) and layer.forward.func is _checkpointed
+        for layer in decoder_layers(model)
+    )
+
+
 def parallelize(
     model: PreTrainedModel,
     mesh: DeviceMesh,
@@ -184,9 +207,7 @@ def parallelize(
         for layer in layers:
             parallelize_module(layer, mesh["tp"], plan)
     if activation_checkpointing:
-        for layer in layers:
-            # On the instance, so that nn.Module.__call__ (and FSDP2's hooks) stay outside the checkpoint.
-            layer.forward = functools.partial(_checkpointed, layer.forward)
+        checkpoint_layers(model)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs: dict[str, Any] = {"mesh": mesh["dp"]} | ({"mp_policy": policy} if param_dtype is not None else {})
     for layer in layers:

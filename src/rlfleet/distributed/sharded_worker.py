@@ -14,14 +14,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import PreTrainedModel
 
 from rlfleet.distributed.generation_worker import GenerationWorker, WorkerOutput
-from rlfleet.distributed.parallelize import build_mesh, clip_grad_norm, parallelize
+from rlfleet.distributed.parallelize import build_mesh, clip_grad_norm
 from rlfleet.distributed.refit import RefitGroup, WeightSpec, weight_spec
 from rlfleet.generation import SamplingParams
 from rlfleet.models.loading import DTYPES, ModelSource
 from rlfleet.policy.batch import TrainBatch
+from rlfleet.policy.build import build_policy_models
 from rlfleet.policy.logprobs import batch_logprobs
 from rlfleet.policy.loss import Normalizer
 from rlfleet.policy.worker import LossFn, OptimizerSettings, TrainablePolicy
@@ -40,8 +40,9 @@ class ShardedPolicyWorker(TrainablePolicy):
     """Holds this rank's shard of the policy (and optionally of a frozen reference) and its optimizer.
 
     Ranks form a 2-D (data-parallel x tensor-parallel) mesh; FSDP2 shards over the data-parallel axis.
-    On a GPU with ``precision=bfloat16`` the master weights stay float32 and FSDP2 computes in bfloat16
-    (reducing gradients in float32); on the CPU the model is loaded in ``precision``.
+    Built by ``build_policy_models`` on that mesh: float32 master weights, FSDP2 mixed precision computing
+    in ``source.precision`` and reducing gradients in float32 (on the CPU as on the GPU); the reference is
+    held in ``source.precision``.
 
     Args:
         source: The policy to load (``policy.model_name`` and friends).
@@ -76,31 +77,19 @@ class ShardedPolicyWorker(TrainablePolicy):
         self.sharding = sharding
         self.precision = source.precision  # of the generation engines, so of the refit
         self.tokenizer = source.load_tokenizer()
-        self.model = self._build(source)
-        self.reference: PreTrainedModel | None = None
-        if keep_reference:
-            self.reference = self._build(source)
-            self.reference.eval()
-            self.reference.requires_grad_(False)
-        self._init_optimizer()
+        models = build_policy_models(
+            source,
+            self.device,
+            activation_checkpointing=sharding.activation_checkpointing,
+            keep_reference=keep_reference,
+            mesh=self.mesh,
+        )
+        self._init_models(models)
         self.generator: GenerationWorker | None = None
         if sharding.generation_batch_size is not None:
             self.generator = GenerationWorker(source, sharding.generation_batch_size)
         self.refit_group: RefitGroup | None = None
         self.busy_seconds = 0.0
-
-    def _build(self, source: ModelSource) -> PreTrainedModel:
-        on_gpu = self.device.type == "cuda"
-        # GPU: float32 master weights, compute in the configured dtype (FSDP2 mixed precision)
-        master = ModelSource(source.model_name, "float32", source.gguf_file, source.tokenizer_name)
-        model = (master if on_gpu else source).load_model().to(self.device)
-        param_dtype = DTYPES[source.precision] if on_gpu and source.precision != "float32" else None
-        return parallelize(
-            model,
-            self.mesh,
-            activation_checkpointing=self.sharding.activation_checkpointing,
-            param_dtype=param_dtype,
-        )
 
     def placement(self) -> dict[str, int]:
         """This rank's coordinates (for logs and tests)."""
@@ -128,7 +117,8 @@ class ShardedPolicyWorker(TrainablePolicy):
         self._check_divisible("logprob batch", len(batch))
         start = time.perf_counter()
         first, stop = self._my_rows(0, len(batch))
-        mine = batch_logprobs(model, batch, first, stop, micro_batch_size, temperature)
+        with self._compute():
+            mine = batch_logprobs(model, batch, first, stop, micro_batch_size, temperature)
         self.busy_seconds += time.perf_counter() - start
         parts = [torch.empty_like(mine).to(self.device) for _ in range(self.dp_size)]
         dist.all_gather(parts, mine.to(self.device), group=self.dp_group)

@@ -88,7 +88,11 @@ def load_model(name_or_path: str, precision: str, gguf_file: str | None = None) 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a worker loads the policy from (the fields of ``policy`` that name it)."""
+    """Where a worker loads the policy from (the fields of ``policy`` that name it).
+
+    ``precision`` is the compute dtype: trainable copies load float32 master weights whatever it says
+    (``rlfleet.policy.build``); frozen and generation copies load in it.
+    """
 
     model_name: str
     precision: str = "float32"

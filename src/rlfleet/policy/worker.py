@@ -6,10 +6,10 @@ about GRPO: the algorithm hands it batches and a loss function.
 
 from __future__ import annotations
 
-import copy
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +17,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlfleet.checkpoint import load_policy, save_policy
+from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch
+from rlfleet.policy.build import PolicyModels, build_policy_models, compute_autocast, require_master_dtype
 from rlfleet.policy.logprobs import batch_logprobs, token_logprobs
 from rlfleet.policy.loss import Normalizer
 
@@ -47,6 +49,13 @@ def over_global_batches(
     return totals
 
 
+def default_device() -> torch.device:
+    """The current CUDA device when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def warmup_factor(step: int, warmup_steps: int, start_factor: float) -> float:
     """Linear warm-up multiplier: ``start_factor`` at step 0 rising to 1.0 at ``warmup_steps``."""
     if warmup_steps <= 0 or step >= warmup_steps:
@@ -57,18 +66,23 @@ def warmup_factor(step: int, warmup_steps: int, start_factor: float) -> float:
 class TrainablePolicy(ABC):
     """What the in-process and the sharded policy workers share: optimizer, update, checkpoints.
 
-    A subclass sets ``model``, ``tokenizer``, ``settings``, ``reference`` and ``device``, then calls
-    ``_init_optimizer``.
+    A subclass sets ``tokenizer``, ``settings`` and ``device``, builds its models with
+    ``build_policy_models`` and hands them to ``_init_models`` (which also creates the optimizer).
     """
 
-    model: PreTrainedModel
+    model: PreTrainedModel  # float32 master weights
     tokenizer: PreTrainedTokenizerBase
     settings: OptimizerSettings
-    reference: PreTrainedModel | None
+    reference: PreTrainedModel | None  # frozen, in the compute dtype
     device: torch.device
+    autocast_dtype: torch.dtype | None  # forward passes run under torch.autocast in it (None: no autocast)
 
-    def _init_optimizer(self) -> None:
-        """AdamW with a linear warm-up of the learning rate."""
+    def _init_models(self, models: PolicyModels) -> None:
+        """Takes the built models, then creates AdamW (float32 state) with a linear warm-up."""
+        require_master_dtype(models.model)
+        self.model = models.model
+        self.reference = models.reference
+        self.autocast_dtype = models.autocast_dtype
         s = self.settings
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=s.lr, weight_decay=s.weight_decay, betas=s.betas, eps=s.eps
@@ -76,6 +90,10 @@ class TrainablePolicy(ABC):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: warmup_factor(step, s.warmup_steps, s.warmup_start_factor)
         )
+
+    def _compute(self) -> AbstractContextManager[None]:
+        """Around forward passes: autocast to the compute dtype where the model does not cast itself."""
+        return compute_autocast(self.device, self.autocast_dtype)
 
     @property
     def has_reference(self) -> bool:
@@ -142,7 +160,8 @@ class TrainablePolicy(ABC):
         self.optimizer.zero_grad(set_to_none=True)
         for start in range(0, len(batch), micro_batch_size):
             mb = batch.select(start, start + micro_batch_size).to(self.device)
-            lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask, temperature)
+            with self._compute():
+                lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask, temperature)
             loss, mb_metrics = loss_fn(lp, mb, norm)
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             for key, value in mb_metrics.items():
@@ -173,29 +192,38 @@ class TrainablePolicy(ABC):
 
 
 class PolicyWorker(TrainablePolicy):
-    """Computes logprobs and applies optimizer steps for one model replica (or shard).
+    """Computes logprobs and applies optimizer steps for one whole model replica in this process.
+
+    Built by ``build_policy_models`` without a mesh: float32 master weights, forward passes under
+    ``torch.autocast`` in ``source.precision`` (when not float32), the reference in that precision.
 
     Args:
-        model: The trainable policy (moved to train mode).
-        tokenizer: Its tokenizer (saved with checkpoints).
+        source: The policy to load; ``source.precision`` is the compute dtype.
         settings: Optimizer, warm-up schedule and gradient clipping.
         keep_reference: Keep a frozen copy of the initial weights for KL / reference logprobs.
+        activation_checkpointing: Recompute each decoder layer's activations in the backward pass.
+        device: Where the model lives; default the current CUDA device when there is one, else the CPU.
     """
 
     def __init__(
         self,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
+        source: ModelSource,
         settings: OptimizerSettings,
         *,
         keep_reference: bool,
+        activation_checkpointing: bool = False,
+        device: torch.device | None = None,
     ) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
         self.settings = settings
-        self.device = model.device
-        self.reference = self._frozen_copy(model) if keep_reference else None
-        self._init_optimizer()
+        self.device = device if device is not None else default_device()
+        self.tokenizer = source.load_tokenizer()
+        models = build_policy_models(
+            source,
+            self.device,
+            activation_checkpointing=activation_checkpointing,
+            keep_reference=keep_reference,
+        )
+        self._init_models(models)
 
     def take_metrics(self, total_tokens: int) -> dict[str, float]:
         """Per-worker balance metrics (Ray workers report them; one in-process worker has none)."""
@@ -204,21 +232,16 @@ class PolicyWorker(TrainablePolicy):
     def close(self) -> None:
         """Nothing to release in-process (the Ray policy stops its actors)."""
 
-    @staticmethod
-    def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
-        ref = copy.deepcopy(model)
-        ref.eval()
-        ref.requires_grad_(False)
-        return ref
-
     @torch.no_grad()
     def logprobs(
         self, batch: TrainBatch, micro_batch_size: int, *, reference: bool = False, temperature: float = 1.0
     ) -> torch.Tensor:
         """``[B, T]`` token logprobs of the policy (or the frozen reference) over ``batch``."""
-        return batch_logprobs(
-            self._scoring_model(reference), batch, 0, len(batch), micro_batch_size, temperature
-        ).to(batch.response_mask.dtype)
+        with self._compute():
+            lp = batch_logprobs(
+                self._scoring_model(reference), batch, 0, len(batch), micro_batch_size, temperature
+            )
+        return lp.to(batch.response_mask.dtype)
 
     def _optimizer_step(
         self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int, temperature: float

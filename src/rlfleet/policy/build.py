@@ -1,0 +1,117 @@
+"""The one builder of the trainable policy model, in one process or sharded over a device mesh.
+
+The rules, the same on every path (one device or many, CPU or GPU):
+
+* **Master weights are float32.** The trainable model's parameters, its gradients and the AdamW state are
+  float32 whatever ``policy.precision`` says: an update of relative size 1e-6 (lr 1e-6) vanishes when added
+  to bfloat16 weights (8 significant bits), not to float32 ones.
+* **``policy.precision`` is the compute dtype.** On one device the forward passes (training and logprobs)
+  run under ``torch.autocast(device_type, dtype=compute)`` (``compute_autocast``); sharded, FSDP2 casts the
+  gathered parameters to it (``MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=float32)``), on the
+  CPU (gloo) as on the GPU.
+* **The frozen reference is held in the compute dtype** (it is never updated, so nothing rounds away),
+  sharded like the policy but without mixed precision.
+* **Activation checkpointing** is the per-decoder-layer non-reentrant wrap (``checkpoint_layers``).
+
+The in-process ``PolicyWorker`` is the no-mesh (world size 1) case of ``build_policy_models``; the
+``ShardedPolicyWorker`` passes its ``("dp", "tp")`` mesh.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import PreTrainedModel
+
+from rlfleet.distributed.parallelize import checkpoint_layers, parallelize
+from rlfleet.models.loading import DTYPES, ModelSource, load_model
+
+MASTER_DTYPE = torch.float32
+
+
+@dataclass(frozen=True)
+class PolicyModels:
+    """What ``build_policy_models`` returns.
+
+    Attributes:
+        model: The trainable policy: float32 parameters (FSDP2-sharded when built with a mesh).
+        reference: A frozen copy of the initial weights in the compute dtype, or None.
+        compute_dtype: ``policy.precision`` as a torch dtype.
+        autocast_dtype: The dtype forward passes must run under ``torch.autocast`` with
+            (``compute_autocast``); None when nothing is to be cast (float32 compute, or FSDP2 casts).
+    """
+
+    model: PreTrainedModel
+    reference: PreTrainedModel | None
+    compute_dtype: torch.dtype
+    autocast_dtype: torch.dtype | None
+
+
+def compute_autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager[None]:
+    """``torch.autocast`` on ``device``'s type in ``dtype``; does nothing when ``dtype`` is None or float32.
+
+    Wrap forward passes only (the model call, or ``model.generate``): the loss and ``backward`` run outside.
+    """
+    if dtype is None or dtype == MASTER_DTYPE:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def build_policy_models(
+    source: ModelSource,
+    device: torch.device,
+    *,
+    activation_checkpointing: bool,
+    keep_reference: bool,
+    mesh: DeviceMesh | None = None,
+) -> PolicyModels:
+    """Loads the trainable policy with float32 master weights (and optionally a frozen reference).
+
+    Seed torch before calling: every rank of a mesh must build the same weights.
+
+    Args:
+        source: Where to load the policy from; ``source.precision`` is the compute dtype.
+        device: Where the weights live (this rank's device when sharded).
+        activation_checkpointing: Recompute each decoder layer's activations in the backward pass.
+        keep_reference: Also build a frozen copy of the initial weights.
+        mesh: A ``("dp", "tp")`` mesh (``build_mesh``): tensor-parallel over ``"tp"``, FSDP2-sharded
+            over ``"dp"``; None keeps the model whole in this process.
+
+    Returns:
+        The models, the compute dtype, and whether forward passes need ``compute_autocast``.
+    """
+    compute = DTYPES[source.precision]
+    cast = compute if compute != MASTER_DTYPE else None
+    model = load_model(source.model_name, "float32", source.gguf_file).to(device)
+    if mesh is None:
+        if activation_checkpointing:
+            checkpoint_layers(model)
+    else:
+        parallelize(model, mesh, activation_checkpointing=activation_checkpointing, param_dtype=cast)
+    # Loaded after the policy is sharded, so that a rank never holds two whole copies.
+    reference = _frozen_reference(source, device, mesh) if keep_reference else None
+    return PolicyModels(model, reference, compute, autocast_dtype=cast if mesh is None else None)
+
+
+def _frozen_reference(source: ModelSource, device: torch.device, mesh: DeviceMesh | None) -> PreTrainedModel:
+    """The initial weights in the compute dtype, in eval mode, without gradients (sharded on a mesh)."""
+    reference = load_model(source.model_name, source.precision, source.gguf_file).to(device)
+    if mesh is not None:
+        parallelize(reference, mesh, activation_checkpointing=False)
+    reference.eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def require_master_dtype(model: torch.nn.Module) -> None:
+    """Raises ``TypeError`` unless every trainable parameter of ``model`` is float32."""
+    wrong = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != MASTER_DTYPE})
+    if wrong:
+        raise TypeError(
+            f"trainable parameters in {', '.join(wrong)}: master weights (and so AdamW's state) must be "
+            "float32; build the model with rlfleet.policy.build.build_policy_models, which loads float32 "
+            "and computes in policy.precision"
+        )
