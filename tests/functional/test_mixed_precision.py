@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
 
 from rlfleet.algorithms.common import build_worker
 from rlfleet.algorithms.grpo import GRPO
+from rlfleet.checkpoint import export_hf
 from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
 from rlfleet.distributed.sharded_worker import ShardedPolicyWorker
 from rlfleet.distributed.worker_group import RayWorkerGroup
@@ -212,6 +214,7 @@ def test_bf16_grpo_runs_on_cpu_with_fp32_master_weights(tiny_model_dir: Path, tm
     trainer = GRPO(small_grpo_config(tiny_model_dir, tmp_path, *overrides, BF16))
     worker = trainer.ctx.worker
     assert isinstance(worker, PolicyWorker) and worker.has_reference
+    assert trainer.backend.compute_dtype == torch.bfloat16  # generation on the master copy autocasts too
     before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
     trainer.train()
     after = dict(worker.model.named_parameters())
@@ -224,6 +227,13 @@ def test_bf16_grpo_runs_on_cpu_with_fp32_master_weights(tiny_model_dir: Path, tm
             assert torch.isfinite(torch.tensor(record[key])), key
     # before the update the reference (bfloat16) and the policy (float32 under bfloat16 autocast) agree
     assert abs(records[0]["train/kl"]) < 1e-3
+    # sampler and trainer compute in the same dtype: their logprobs of the sampled tokens agree closely
+    assert all(r["train/gen_logprob_error"] < 0.05 for r in records)
+    # checkpoints hold the float32 master weights; the export is in the run's compute dtype
+    exported = export_hf(tmp_path / "ckpt" / "step_2", tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    assert model.dtype == torch.bfloat16
+    assert torch.equal(model.model.embed_tokens.weight, after["model.embed_tokens.weight"].to(torch.bfloat16))
 
 
 def test_two_rank_fsdp_bf16_step_matches_one_process(ray_cluster: None, tiny_model_dir: Path) -> None:

@@ -85,7 +85,12 @@ def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> Polic
 
 def build_backend(cfg: MasterConfig, worker: PolicyWorker) -> GenerationBackend:
     """The configured generation backend, colocated with ``worker``."""
-    return HFGenerationBackend(worker.model, worker.tokenizer, cfg.policy.generation.batch_size)
+    return HFGenerationBackend(
+        worker.model,
+        worker.tokenizer,
+        cfg.policy.generation.batch_size,
+        compute_dtype=worker.autocast_dtype,
+    )
 
 
 def build_policy(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> tuple[Any, GenerationBackend]:

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from rlfleet.checkpoint.dcp_io import TOKENIZER_DIR, load_model_state_dict, policy_dir
 from rlfleet.checkpoint.manager import CONFIG_FILE, is_complete_checkpoint, verify_checkpoint
-from rlfleet.models.loading import resolve_model_path
+from rlfleet.models.loading import DTYPES, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,8 @@ def _require_complete(checkpoint_path: Path) -> None:
     )
 
 
-def _model_name_from_config(checkpoint_path: Path) -> tuple[str, str | None]:
-    """``(policy.model_name, policy.gguf_file)`` of the recipe saved with the checkpoint."""
+def _model_name_from_config(checkpoint_path: Path) -> tuple[str, str | None, str | None]:
+    """``(policy.model_name, policy.gguf_file, policy.precision)`` of the recipe saved with the checkpoint."""
     with (checkpoint_path / CONFIG_FILE).open(encoding="utf-8") as handle:
         recipe = yaml.safe_load(handle) or {}
     policy = recipe.get("policy") if isinstance(recipe, dict) else None
@@ -71,7 +71,8 @@ def _model_name_from_config(checkpoint_path: Path) -> tuple[str, str | None]:
             "model whose architecture the checkpoint was trained from."
         )
     gguf_file = policy.get("gguf_file") if isinstance(policy, dict) else None
-    return resolve_model_path(model_name), gguf_file
+    precision = policy.get("precision") if isinstance(policy, dict) else None
+    return resolve_model_path(model_name), gguf_file, precision if precision in DTYPES else None
 
 
 def _dominant_float_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype | None:
@@ -102,7 +103,9 @@ def export_hf(checkpoint_path: Path, out_dir: Path) -> Path:
 
     The architecture comes from ``policy.model_name`` in the checkpoint's ``config.yaml``; the
     weights from ``policy/weights`` (DCP); the tokenizer from ``policy/tokenizer`` when present.
-    The result loads with ``AutoModelForCausalLM.from_pretrained(out_dir)`` (safetensors).
+    The result loads with ``AutoModelForCausalLM.from_pretrained(out_dir)`` (safetensors). Checkpoints
+    hold float32 master weights; the export is written in the run's ``policy.precision`` (its compute
+    dtype: a bfloat16 run exports bfloat16, half the size).
 
     Args:
         checkpoint_path: A complete ``step_N`` directory.
@@ -120,10 +123,12 @@ def export_hf(checkpoint_path: Path, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     _require_complete(checkpoint_path)
     verify_checkpoint(checkpoint_path)
-    model_name, gguf_file = _model_name_from_config(checkpoint_path)
+    model_name, gguf_file, precision = _model_name_from_config(checkpoint_path)
     state_dict = load_model_state_dict(checkpoint_path)
     model = build_model_from_name(model_name, gguf_file=gguf_file)
     _load_weights(model, state_dict, model_name)
+    if precision is not None:
+        model.to(DTYPES[precision])
     out_dir.mkdir(parents=True, exist_ok=True)
     # transformers 5 always writes safetensors (the safe_serialization flag was removed);
     # tied weights (e.g. lm_head = embed_tokens) are stored once and re-tied on load.

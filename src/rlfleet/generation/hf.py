@@ -28,12 +28,22 @@ class HFGenerationBackend:
         model: The causal LM; generation runs in eval mode and restores the previous mode.
         tokenizer: Supplies pad/EOS ids and decodes responses.
         batch_size: Prompts per ``generate`` call.
+        compute_dtype: Run ``generate`` under ``torch.autocast`` in this dtype (the trainer's compute dtype
+            when the model is its float32 master copy); None runs in the model's own dtype.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        batch_size: int,
+        *,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.compute_dtype = compute_dtype
         if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
             raise ValueError("HF generation needs a tokenizer with eos and pad tokens")
 
@@ -89,12 +99,15 @@ class HFGenerationBackend:
             output_scores=False,
         )
         sampler = None if params.greedy else SeededRowSampler(seeds, params, prompt_width=width)
-        sequences = self.model.generate(
-            input_ids=input_ids.to(self.model.device),
-            attention_mask=attention.to(self.model.device),
-            generation_config=config,
-            logits_processor=LogitsProcessorList([] if sampler is None else [sampler]),
-        )
+        device = self.model.device
+        # A float32 master module shared with the trainer computes in the trainer's compute dtype.
+        with torch.autocast(device.type, dtype=self.compute_dtype, enabled=self.compute_dtype is not None):
+            sequences = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention.to(device),
+                generation_config=config,
+                logits_processor=LogitsProcessorList([] if sampler is None else [sampler]),
+            )
         new_tokens = sequences[:, width:].cpu()  # [B, N]
         logprobs = None if sampler is None else sampler.logprobs().cpu()  # [B, N]
         if logprobs is not None and logprobs.shape != new_tokens.shape:
