@@ -40,6 +40,7 @@ from rlfleet.checkpoint.dcp_io import (
     torch_load_safe,
     torch_save_checked,
 )
+from rlfleet.config.metric_names import normalize_metric_name  # the rule config validation uses
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +64,6 @@ def is_complete_checkpoint(path: Path) -> bool:
     path = Path(path)
     weights_md = path / POLICY_DIR / WEIGHTS_DIR / DCP_METADATA_FILE
     return (path / TRAINING_INFO_FILE).is_file() and weights_md.is_file()
-
-
-def normalize_metric_name(name: str) -> str:
-    """Recipe metric names may use ``:`` (``val:accuracy``); training_info keys use ``/``."""
-    return name.replace(":", "/")
 
 
 def _rng_file_name() -> str:
