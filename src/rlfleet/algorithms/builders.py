@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from rlfleet.config import MasterConfig
 from rlfleet.config.capabilities import uses_ray
@@ -130,7 +130,7 @@ class TaskData:
     dropped: int
 
 
-def load_prompts(cfg: MasterConfig, tokenizer: Any, max_val_samples: int) -> TaskData:
+def load_prompts(cfg: MasterConfig, tokenizer: PreTrainedTokenizerBase, max_val_samples: int) -> TaskData:
     """Loads the task and renders its prompts; too-long prompts are dropped and counted."""
     train_ex, val_ex = load_task(cfg.data)
     system_prompt = resolve_system_prompt(cfg.data)
