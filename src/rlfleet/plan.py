@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlfleet.config.capabilities import unsupported_settings, uses_ray
+from rlfleet.config.layout import ResourceLayout, compute_layout
 from rlfleet.config.schema import ArchitectureConfig, MasterConfig
-from rlfleet.distributed.layout import ResourceLayout, compute_layout
 
 GIB = 1024**3
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

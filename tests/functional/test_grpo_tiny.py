@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.algorithms.common import MACHINE_METRICS
 from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.run import MACHINE_METRICS
 from rlfleet.distributed.parallelize import is_checkpointed
 from rlfleet.logging import read_metrics
 from rlfleet.policy.batch import collate

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from rlfleet.algorithms.common import build_worker
+from rlfleet.algorithms.builders import build_worker
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.checkpoint import export_hf
 from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups

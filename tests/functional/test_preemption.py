@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.algorithms.common import MACHINE_METRICS
+from rlfleet.algorithms.run import MACHINE_METRICS
 from rlfleet.checkpoint import load_model_state_dict
 from rlfleet.logging import read_metrics
 from tests.conftest import small_grpo_overrides

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.algorithms.common import MACHINE_METRICS
 from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.run import MACHINE_METRICS
 from rlfleet.logging import read_metrics
 from tests.conftest import small_grpo_config
 

@@ -460,7 +460,7 @@ def test_good_config_passes_checks(algorithm: str) -> None:
         ),
         (["policy.train_micro_batch_size=5"], "sft", ["policy.train_micro_batch_size=5", "divisor of 32"]),
         (["policy.generation.max_new_tokens=256"], "grpo", ["policy.generation.max_new_tokens=256"]),
-        (["checkpointing.metric_name=val:reward"], "grpo", ["checkpointing.metric_name: got 'val:reward'"]),
+        (["checkpointing.metric_name=val:rewards"], "grpo", ["checkpointing.metric_name: got 'val:rewards'"]),
         (["checkpointing.metric_name=train/kl"], "sft", ["checkpointing.metric_name: got 'train/kl'"]),
         (
             ["grpo.num_generations_per_prompt=1", "grpo.num_prompts_per_step=32"],

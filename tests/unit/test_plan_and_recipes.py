@@ -9,7 +9,7 @@ import pytest
 from rlfleet.algorithms.evaluation import pass_at_k
 from rlfleet.cli import main
 from rlfleet.config import ConfigError, check_config, load_recipe, resolve_recipe_path, shipped_recipe_names
-from rlfleet.distributed.layout import compute_layout
+from rlfleet.config.layout import compute_layout
 from rlfleet.plan import count_parameters, make_plan
 
 SEED = "grpo-gemma3-27b-it-2n8g-fsdp2tp8-noncolocated"

@@ -1,16 +1,67 @@
-"""``rlfleet eval``: pass@1 and pass@k of a model or checkpoint on a validation set."""
+"""Measuring a policy on the validation prompts: the loops' validation and ``rlfleet eval``.
+
+Both sample and score with :func:`~rlfleet.algorithms.rollouts.sample_and_score` and count a response as
+correct by :func:`~rlfleet.rewards.correctness.is_correct`: validation reports ``val/accuracy`` (fraction
+correct) and ``val/reward`` (mean reward); ``rlfleet eval`` reports pass@1 and pass@k.
+"""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from math import comb
 from pathlib import Path
+from typing import Any
 
-from rlfleet.algorithms.common import build_policy, build_verifier, load_prompts
+from rlfleet.algorithms.builders import build_policy, build_verifier, load_prompts
+from rlfleet.algorithms.rollouts import (
+    accuracy,
+    correct_per_group,
+    mean_response_length,
+    mean_reward,
+    sample_and_score,
+)
 from rlfleet.config import MasterConfig
-from rlfleet.generation import SamplingParams
+from rlfleet.data import Prompt
+from rlfleet.generation import GenerationBackend, SamplingParams
+from rlfleet.rewards import ScoringPool
+
+
+@dataclass
+class EvalResult:
+    """Validation of one policy: one response per prompt."""
+
+    accuracy: float
+    reward: float
+    mean_response_length: float
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+    def metrics(self, prefix: str = "val") -> dict[str, float]:
+        return {
+            f"{prefix}/accuracy": self.accuracy,
+            f"{prefix}/reward": self.reward,
+            f"{prefix}/mean_response_length": self.mean_response_length,
+        }
+
+
+def evaluate(
+    backend: GenerationBackend,
+    prompts: Sequence[Prompt],
+    verifier: ScoringPool,
+    params: SamplingParams,
+    seed: int,
+    num_samples_to_keep: int = 4,
+) -> EvalResult:
+    """Generates one response per prompt and scores it: fraction correct, mean reward, mean length."""
+    rollouts, _ = sample_and_score(backend, prompts, verifier, 1, params, seed)
+    return EvalResult(
+        accuracy=accuracy(rollouts),
+        reward=mean_reward(rollouts),
+        mean_response_length=mean_response_length(rollouts),
+        samples=[r.sample() for r in rollouts[:num_samples_to_keep]],
+    )
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -57,22 +108,19 @@ def run_eval(cfg: MasterConfig, checkpoint: Path | None = None) -> EvalReport:
     """Generates ``eval.num_tests_per_prompt`` responses per validation prompt and scores them."""
     start = time.perf_counter()
     e, gen = cfg.eval, cfg.policy.generation
-    worker, backend = build_policy(cfg, seed=e.seed, keep_reference=False)
+    policy, backend = build_policy(cfg, seed=e.seed, keep_reference=False)
     try:
         if checkpoint is not None:
-            worker.load_weights(checkpoint)
+            policy.load_weights(checkpoint)
             backend.refit()
-        prompts = load_prompts(cfg, worker.tokenizer, e.max_val_samples or 10**9).val
+        prompts = load_prompts(cfg, policy.tokenizer, e.max_val_samples or 10**9).val
         n, greedy = e.num_tests_per_prompt, e.num_tests_per_prompt == 1
         params = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k, greedy=greedy)
-        repeated = [p for p in prompts for _ in range(n)]
-        results = backend.generate([p.token_ids for p in repeated], params, seed=e.seed)
         with build_verifier(cfg) as verifier:
-            items = [(p.text, r.text, p.example.gold) for p, r in zip(repeated, results, strict=True)]
-            rewards = verifier.score(items).rewards
+            rollouts, _ = sample_and_score(backend, prompts, verifier, n, params, e.seed)
     finally:
-        worker.close()
-    correct = [sum(1 for x in rewards[i * n : (i + 1) * n] if x > 0.5) for i in range(len(prompts))]
+        policy.close()
+    correct = correct_per_group(rollouts, n)
     count = max(len(prompts), 1)
     return EvalReport(
         model=cfg.policy.model_name,
@@ -83,6 +131,6 @@ def run_eval(cfg: MasterConfig, checkpoint: Path | None = None) -> EvalReport:
         k=e.pass_k_value,
         pass_at_1=sum(pass_at_k(n, c, 1) for c in correct) / count,
         pass_at_k=sum(pass_at_k(n, c, e.pass_k_value) for c in correct) / count,
-        mean_response_length=sum(len(r.token_ids) for r in results) / max(len(results), 1),
+        mean_response_length=mean_response_length(rollouts),
         seconds=time.perf_counter() - start,
     )

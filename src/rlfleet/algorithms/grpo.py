@@ -12,55 +12,20 @@ the whole global batch (``loss_fn.token_level_loss``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from contextlib import ExitStack
 
 import torch
 
 from rlfleet.algorithms.advantages import group_advantages, zero_variance_fraction
-from rlfleet.algorithms.common import (
-    RunContext,
-    build_policy,
-    build_verifier,
-    evaluate,
-    load_prompts,
-    make_context,
-    run_loop,
-    step_seed,
-)
+from rlfleet.algorithms.builders import build_policy, build_verifier, load_prompts
+from rlfleet.algorithms.evaluation import evaluate
+from rlfleet.algorithms.rollouts import Rollout, accuracy, generate_rollouts, mean_response_length, score
+from rlfleet.algorithms.run import RunContext, make_context, run_loop, step_seed
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
-from rlfleet.data import Prompt
-from rlfleet.generation import GenerationBackend, GenerationResult, SamplingParams
+from rlfleet.generation import GenerationBackend, SamplingParams
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
-from rlfleet.rewards import RewardBatch, ScoringPool
 from rlfleet.utils.timing import PhaseTimer
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """One sampled response to one prompt, with its reward."""
-
-    prompt: Prompt
-    result: GenerationResult
-    reward: float
-
-
-def generate_rollouts(
-    backend: GenerationBackend, prompts: Sequence[Prompt], group_size: int, params: SamplingParams, seed: int
-) -> list[tuple[Prompt, GenerationResult]]:
-    """Samples ``group_size`` responses per prompt; the samples of a prompt are contiguous."""
-    repeated = [p for p in prompts for _ in range(group_size)]
-    results = backend.generate([p.token_ids for p in repeated], params, seed)
-    return list(zip(repeated, results, strict=True))
-
-
-def score(
-    pairs: Sequence[tuple[Prompt, GenerationResult]], verifier: ScoringPool
-) -> tuple[list[Rollout], RewardBatch]:
-    """Rewards every response with the verifier pool (bounded time per response)."""
-    batch = verifier.score([(p.text, r.text, p.example.gold) for p, r in pairs])
-    rollouts = [Rollout(p, r, float(x)) for (p, r), x in zip(pairs, batch.rewards, strict=True)]
-    return rollouts, batch
 
 
 def rollout_batch(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_token_id: int) -> TrainBatch:
@@ -89,12 +54,11 @@ def loss_from_config(cfg: MasterConfig) -> ClippedPGLossFn:
 
 
 def rollout_metrics(rollouts: Sequence[Rollout], rewards: torch.Tensor, group_size: int) -> dict[str, float]:
-    lengths = torch.tensor([len(r.result.token_ids) for r in rollouts], dtype=torch.float32)
     return {
         "train/reward": float(rewards.mean()),
-        "train/accuracy": float((rewards > 0.5).float().mean()),
+        "train/accuracy": accuracy(rollouts),
         "train/zero_variance_groups": zero_variance_fraction(rewards, group_size),
-        "train/mean_response_length": float(lengths.mean()),
+        "train/mean_response_length": mean_response_length(rollouts),
         "train/truncated_fraction": sum(not r.result.finished for r in rollouts) / len(rollouts),
         "train/num_tokens": int(sum(len(r.prompt.token_ids) + len(r.result.token_ids) for r in rollouts)),
     }
@@ -103,30 +67,37 @@ def rollout_metrics(rollouts: Sequence[Rollout], rewards: torch.Tensor, group_si
 class GRPO:
     """The GRPO trainer: ``GRPO(cfg).train()`` runs (or resumes) the configured job."""
 
+    backend: GenerationBackend
+    ctx: RunContext  # the policy (``ctx.worker``), the reward workers, the loader, logger and checkpoints
+
     def __init__(self, cfg: MasterConfig) -> None:
         check_config(cfg, "grpo")
         ensure_runnable(cfg)
-        self.cfg = cfg
+        self.cfg, g, gen = cfg, cfg.grpo, cfg.policy.generation
         self.loss_fn = loss_from_config(cfg)
-        worker, self.backend = build_policy(
-            cfg, seed=cfg.grpo.seed, keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0
-        )
-        self.data = load_prompts(cfg, worker.tokenizer, cfg.grpo.max_val_samples)
-        g = cfg.grpo
-        self.ctx: RunContext = make_context(
-            cfg,
-            worker,
-            build_verifier(cfg),
-            self.data.train,
-            g.num_prompts_per_step,
-            seed=g.seed,
-            max_num_steps=g.max_num_steps,
-            max_num_epochs=g.max_num_epochs,
-        )
-        gen = cfg.policy.generation
         self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k)
-        if self.ctx.step > 0:
-            self.backend.refit()  # resumed weights reach engines that hold their own copy
+        with ExitStack() as started:  # a constructor that fails releases what it started
+            policy, self.backend = build_policy(
+                cfg, seed=g.seed, keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0
+            )
+            started.callback(policy.close)
+            verifier = build_verifier(cfg)
+            started.callback(verifier.close)
+            self.data = load_prompts(cfg, policy.tokenizer, g.max_val_samples)
+            self.ctx = make_context(
+                cfg,
+                policy,
+                verifier,
+                self.data.train,
+                g.num_prompts_per_step,
+                seed=g.seed,
+                max_num_steps=g.max_num_steps,
+                max_num_epochs=g.max_num_epochs,
+            )
+            started.callback(self.ctx.logger.close, failed=True)
+            if self.ctx.step > 0:
+                self.backend.refit()  # resumed weights reach engines that hold their own copy
+            started.pop_all()  # from here the run owns them: run_loop closes them
 
     def step(self) -> dict[str, float]:
         cfg, ctx, worker, timer = self.cfg, self.ctx, self.ctx.worker, PhaseTimer()
@@ -191,16 +162,7 @@ class GRPO:
         return out
 
     def _log_samples(self, rollouts: Sequence[Rollout]) -> None:
-        n = self.cfg.logger.num_samples_to_log
-        samples = [
-            {
-                "prompt": r.prompt.example.question,
-                "response": r.result.text,
-                "gold": r.prompt.example.gold,
-                "reward": r.reward,
-            }
-            for r in rollouts[:n]
-        ]
+        samples = [r.sample() for r in rollouts[: self.cfg.logger.num_samples_to_log]]
         if samples:
             self.ctx.logger.log_samples(self.ctx.step + 1, samples)
 

@@ -8,26 +8,22 @@ step each; validation generates answers and scores them with the same reward as 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 
-from rlfleet.algorithms.common import (
-    RunContext,
-    build_policy,
-    build_verifier,
-    evaluate,
-    load_prompts,
-    make_context,
-    run_loop,
-    step_seed,
-)
+from transformers import PreTrainedTokenizerBase
+
+from rlfleet.algorithms.builders import build_policy, build_verifier, load_prompts
+from rlfleet.algorithms.evaluation import evaluate
+from rlfleet.algorithms.run import RunContext, make_context, run_loop, step_seed
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
 from rlfleet.data import Prompt, response_target
-from rlfleet.generation import SamplingParams
+from rlfleet.generation import GenerationBackend, SamplingParams
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import NLLLossFn
 from rlfleet.utils.timing import PhaseTimer
 
 
-def sft_batch(prompts: Sequence[Prompt], tokenizer, pad_token_id: int) -> TrainBatch:
+def sft_batch(prompts: Sequence[Prompt], tokenizer: PreTrainedTokenizerBase, pad_token_id: int) -> TrainBatch:
     """Prompt tokens followed by the worked answer and EOS; only the answer is trained on."""
     targets = [response_target(tokenizer, p.example.answer) for p in prompts]
     return collate([p.token_ids for p in prompts], targets, pad_token_id)
@@ -36,24 +32,31 @@ def sft_batch(prompts: Sequence[Prompt], tokenizer, pad_token_id: int) -> TrainB
 class SFT:
     """Supervised fine-tuning: ``SFT(cfg).train()`` runs (or resumes) the configured job."""
 
+    backend: GenerationBackend
+    ctx: RunContext  # the policy (``ctx.worker``), the reward workers, the loader, logger and checkpoints
+
     def __init__(self, cfg: MasterConfig) -> None:
         check_config(cfg, "sft")
         ensure_runnable(cfg)
-        self.cfg = cfg
+        self.cfg, s = cfg, cfg.sft
         self.loss_fn = NLLLossFn(token_level=cfg.loss_fn.token_level_loss)
-        worker, self.backend = build_policy(cfg, seed=cfg.sft.seed, keep_reference=False)
-        self.data = load_prompts(cfg, worker.tokenizer, cfg.sft.max_val_samples)
-        s = cfg.sft
-        self.ctx: RunContext = make_context(
-            cfg,
-            worker,
-            build_verifier(cfg),
-            self.data.train,
-            cfg.policy.train_global_batch_size,
-            seed=s.seed,
-            max_num_steps=s.max_num_steps,
-            max_num_epochs=s.max_num_epochs,
-        )
+        with ExitStack() as started:  # a constructor that fails releases what it started
+            policy, self.backend = build_policy(cfg, seed=s.seed, keep_reference=False)
+            started.callback(policy.close)
+            verifier = build_verifier(cfg)
+            started.callback(verifier.close)
+            self.data = load_prompts(cfg, policy.tokenizer, s.max_val_samples)
+            self.ctx = make_context(
+                cfg,
+                policy,
+                verifier,
+                self.data.train,
+                cfg.policy.train_global_batch_size,
+                seed=s.seed,
+                max_num_steps=s.max_num_steps,
+                max_num_epochs=s.max_num_epochs,
+            )
+            started.pop_all()  # from here the run owns them: run_loop closes them
 
     def step(self) -> dict[str, float]:
         worker, p, timer = self.ctx.worker, self.cfg.policy, PhaseTimer()

@@ -46,6 +46,7 @@ from rlfleet.checkpoint.dcp_io import (
     torch_save_checked,
 )
 from rlfleet.checkpoint.manifest import MANIFEST_FILE, CheckpointError, verify_manifest, write_manifest
+from rlfleet.config.metric_names import normalize_metric_name  # the rule config validation uses
 
 logger = logging.getLogger(__name__)
 
@@ -109,11 +110,6 @@ def verify_checkpoint(path: Path) -> bool:
         MANIFEST_FILE,
     )
     return False
-
-
-def normalize_metric_name(name: str) -> str:
-    """Recipe metric names may use ``:`` (``val:accuracy``); training_info keys use ``/``."""
-    return name.replace(":", "/")
 
 
 def _rng_file_name() -> str:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib.util
 
 from rlfleet.config.errors import ConfigError
+from rlfleet.config.layout import compute_layout
 from rlfleet.config.schema import MasterConfig
-from rlfleet.distributed.layout import compute_layout
 
 
 def _processes(cfg: MasterConfig) -> tuple[int, bool]:

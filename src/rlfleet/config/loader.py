@@ -24,9 +24,10 @@ from pydantic import BaseModel, ValidationError
 
 import rlfleet
 from rlfleet.config.errors import ConfigError, deep_merge, got, short_repr
+from rlfleet.config.layout import compute_layout
+from rlfleet.config.metric_names import LOGGED_METRICS, normalize_metric_name
 from rlfleet.config.overrides import Override, apply_overrides, parse_override
 from rlfleet.config.schema import MasterConfig
-from rlfleet.distributed.layout import compute_layout
 
 __all__ = [
     "LOGGED_METRICS",
@@ -49,18 +50,6 @@ __all__ = [
 ]
 
 Algorithm = Literal["grpo", "sft"]
-
-LOGGED_METRICS: dict[str, frozenset[str]] = {
-    "grpo": frozenset({"val/accuracy", "val/mean_response_length", "train/reward", "train/loss", "train/kl"}),
-    "sft": frozenset({"val/accuracy", "val/mean_response_length", "train/loss"}),
-}
-"""Metrics each algorithm logs: the valid ``checkpointing.metric_name`` values (``:`` and ``/`` are equal)."""
-
-
-def normalize_metric_name(name: str) -> str:
-    """``val:accuracy`` -> ``val/accuracy`` (NeMo RL writes ``:``, loggers write ``/``)."""
-    return name.strip().replace(":", "/")
-
 
 # --------------------------------------------------------------------------------------------- YAML files
 
@@ -419,13 +408,14 @@ def _check_metric(cfg: MasterConfig, algorithm: Algorithm) -> list[str]:
     ckpt = cfg.checkpointing
     if not ckpt.enabled or ckpt.keep_top_k is None or ckpt.metric_name is None:
         return []
-    logged = LOGGED_METRICS[algorithm]
-    if normalize_metric_name(ckpt.metric_name) in logged:
+    logged, name = LOGGED_METRICS[algorithm], normalize_metric_name(ckpt.metric_name)
+    if name in logged:
         return []
-    close = difflib.get_close_matches(normalize_metric_name(ckpt.metric_name), sorted(logged), n=1, cutoff=0)
+    close = difflib.get_close_matches(name, sorted(logged), n=1, cutoff=0)
     return [
         f"checkpointing.metric_name: got {ckpt.metric_name!r}, but {algorithm} logs only "
-        f"{', '.join(sorted(logged))} (':' and '/' are interchangeable), so checkpoints could not be ranked; "
+        f"{', '.join(sorted(logged))} (':' and '/' are interchangeable, surrounding spaces are dropped), "
+        "so checkpoints could not be ranked; "
         f"fix: set checkpointing.metric_name to one of those (e.g. {close[0]}), or "
         "checkpointing.keep_top_k=null to keep every checkpoint"
     ]

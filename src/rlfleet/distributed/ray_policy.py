@@ -4,7 +4,7 @@
 training, checkpoints) and ``RayGeneration`` (sampling, refit) are what the algorithms see, so the GRPO
 and SFT loops do not change between one process and a cluster.
 
-Layouts (``distributed.layout``): *colocated*, every training rank also holds a generation engine and the
+Layouts (``config.layout``): *colocated*, every training rank also holds a generation engine and the
 refit copies the gathered weights in place; *dedicated*, generation engines run on their own bundles and
 receive the weights by broadcast from training rank 0.
 """
@@ -16,17 +16,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
+from rlfleet.config.layout import ResourceLayout
 from rlfleet.distributed.cluster import (
     connect_or_start,
     create_node_placement_groups,
     remove_placement_groups,
 )
 from rlfleet.distributed.generation_worker import GenerationWorker, WorkerOutput
-from rlfleet.distributed.layout import ResourceLayout
 from rlfleet.distributed.refit import WeightSpec
 from rlfleet.distributed.sharded_worker import ShardedPolicyWorker, ShardingSettings
 from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError, WorkerTimeoutError, gather
@@ -35,6 +35,10 @@ from rlfleet.generation.sampling import row_seeds
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.worker import LossFn, OptimizerSettings
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -170,9 +174,9 @@ class TrainingWorkerLostError(RuntimeError):
 
 
 class RayPolicy:
-    """The training ranks, seen as one policy worker (the methods of ``PolicyWorker``)."""
+    """The training ranks, seen as one policy (implements :class:`rlfleet.policy.interface.Policy`)."""
 
-    def __init__(self, runtime: RayRuntime, tokenizer: Any, keep_reference: bool) -> None:
+    def __init__(self, runtime: RayRuntime, tokenizer: PreTrainedTokenizerBase, keep_reference: bool) -> None:
         self.runtime = runtime
         self.tokenizer = tokenizer
         self.has_reference = keep_reference
@@ -185,7 +189,7 @@ class RayPolicy:
 
     def logprobs(
         self, batch: TrainBatch, micro_batch_size: int, *, reference: bool = False, temperature: float = 1.0
-    ) -> Any:
+    ) -> torch.Tensor:
         return self._run("logprobs", batch, micro_batch_size, reference=reference, temperature=temperature)[0]
 
     def train(
@@ -227,7 +231,7 @@ class RayPolicy:
 
 
 class RayGeneration:
-    """Generation on the engines of a ``RayRuntime`` (the ``GenerationBackend`` interface).
+    """Generation on the engines of a ``RayRuntime`` (implements ``rlfleet.generation.GenerationBackend``).
 
     Rows are split into contiguous shares, one per engine, and sampled from per-row seeds, so the
     responses do not depend on the number of engines. A dead dedicated engine is replaced, refitted and the

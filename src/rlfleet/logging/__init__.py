@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from rlfleet.logging.backends import MetricsBackendError, MlflowBackend, WandbBackend
 from rlfleet.logging.console import Progress, format_step_line
-from rlfleet.logging.metrics import MetricsBackend, MetricsLogger, read_metrics, scrub_secrets
+from rlfleet.logging.logger import MetricsLogger
+from rlfleet.logging.metrics import MetricsBackend, read_metrics, scrub_secrets
 
 if TYPE_CHECKING:
     from rlfleet.logging.plot import plot_run

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from rlfleet.config.errors import ConfigError
-from rlfleet.logging.metrics import MetricsBackend, MetricValue, _to_json_safe, redact_uri, scrub_secrets
+from rlfleet.logging.metrics import MetricsBackend, MetricValue, redact_uri, scrub_secrets, to_json_safe
 
 if TYPE_CHECKING:
     from rlfleet.config.schema import MlflowConfig, WandbConfig
@@ -121,7 +121,7 @@ class WandbBackend(MetricsBackend):
         if run_id is None:
             run_id = secrets.token_hex(6)
             _write_run_id(id_path, run_id)
-        config = _to_json_safe(scrub_secrets(run_config)) if run_config else None
+        config = to_json_safe(scrub_secrets(run_config)) if run_config else None
         try:
             self.run = wandb.init(
                 project=cfg.project,
@@ -209,7 +209,7 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> Iterator[tupl
 def mlflow_params(config: Mapping[str, Any], value_max: int) -> dict[str, str]:
     """Flattens a (scrubbed) run config into MLflow params: dotted keys, JSON-ish string values, truncated."""
     params: dict[str, str] = {}
-    for key, value in flatten_config(_to_json_safe(config)):
+    for key, value in flatten_config(to_json_safe(config)):
         text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         if len(text) > value_max:
             text = text[: value_max - 3] + "..."

@@ -1,16 +1,17 @@
-"""Metric logging: JSON-lines files (always) plus optional TensorBoard, Weights & Biases and MLflow.
+"""Metric records and the built-in sinks: JSON-lines files (always) and TensorBoard.
 
-Every call to :meth:`MetricsLogger.log` appends one flat JSON object to ``<log_dir>/metrics.jsonl``::
+Each logged step is one flat JSON object in ``<log_dir>/metrics.jsonl`` (see :class:`JsonlBackend`)::
 
     {"step": 12, "train/reward": 0.43, "val/accuracy": null, "timing/generation": 1.9}
 
 Lines are flushed as they are written, so a killed process keeps everything it logged. On resume from a
-checkpoint at step ``k``, :meth:`MetricsLogger.truncate_after` drops every line with ``step > k`` (and any
+checkpoint at step ``k``, ``truncate_after`` drops every line with ``step > k`` (and any
 torn last line), so the resumed run ends with the same file as an uninterrupted one.
 
 Backends are small objects with ``log(step, metrics)``, ``truncate_after(step)`` and ``close()``; adding
 another sink means writing one :class:`MetricsBackend` subclass. The W&B and MLflow backends live in
-:mod:`rlfleet.logging.backends` and are imported only when enabled.
+:mod:`rlfleet.logging.backends`; :class:`~rlfleet.logging.logger.MetricsLogger`
+fans each step out to the enabled ones. This module imports neither.
 
 The run config is passed through :func:`scrub_secrets` before it reaches any file or backend: values of
 secret-looking keys become ``"***"`` and credentials embedded in URLs are masked. API keys and tokens
@@ -24,13 +25,9 @@ import logging as pylogging
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from rlfleet.config.schema import LoggerConfig, MlflowConfig, WandbConfig
+from typing import IO, Any
 
 _LOG = pylogging.getLogger(__name__)
 
@@ -95,7 +92,7 @@ def scrub_secrets(config: Any) -> Any:
     return config
 
 
-def _to_scalar(value: Any) -> MetricValue:
+def to_scalar(value: Any) -> MetricValue:
     """Converts a Python / numpy / torch scalar to ``int`` or ``float``; NaN and inf become ``None``."""
     if value is None:
         return None
@@ -113,21 +110,21 @@ def _to_scalar(value: Any) -> MetricValue:
     return result if math.isfinite(result) else None
 
 
-def _to_json_safe(value: Any) -> Any:
+def to_json_safe(value: Any) -> Any:
     """Makes an arbitrary sample field JSON-serialisable (non-finite floats become ``None``)."""
     if isinstance(value, str | bool) or value is None:
         return value
     if isinstance(value, Mapping):
-        return {str(k): _to_json_safe(v) for k, v in value.items()}
+        return {str(k): to_json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_to_json_safe(v) for v in value]
+        return [to_json_safe(v) for v in value]
     if isinstance(value, int | float) or hasattr(value, "item"):
         try:
-            return _to_scalar(value)
+            return to_scalar(value)
         except (TypeError, ValueError, RuntimeError):  # multi-element arrays/tensors
             pass
     if hasattr(value, "tolist"):
-        return _to_json_safe(value.tolist())
+        return to_json_safe(value.tolist())
     return str(value)
 
 
@@ -162,7 +159,7 @@ def read_metrics(log_dir: Path | str) -> list[dict[str, Any]]:
     return read_jsonl(Path(log_dir) / METRICS_FILE)
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w", encoding="utf-8") as handle:
         handle.write(text)
@@ -206,7 +203,7 @@ class JsonlFile:
             for record in _iter_jsonl(self.path)
             if isinstance(record.get("step"), int) and record["step"] <= step
         ]
-        _atomic_write_text(self.path, "".join(kept))
+        atomic_write_text(self.path, "".join(kept))
 
     def close(self) -> None:
         if self._handle is not None:
@@ -258,7 +255,7 @@ class TensorboardBackend(MetricsBackend):
         tb_dir.mkdir(parents=True, exist_ok=True)
         self.writer = SummaryWriter(log_dir=str(tb_dir), flush_secs=30)
         if run_config:
-            config_text = json.dumps(_to_json_safe(run_config), indent=2, sort_keys=True)
+            config_text = json.dumps(to_json_safe(run_config), indent=2, sort_keys=True)
             self.writer.add_text("run_config", f"```\n{config_text}\n```", global_step=0)
 
     def log(self, step: int, metrics: Mapping[str, MetricValue]) -> None:
@@ -275,121 +272,3 @@ class TensorboardBackend(MetricsBackend):
         del failed
         self.writer.flush()
         self.writer.close()
-
-
-class MetricsLogger:
-    """Logs flat scalar metrics (and generation samples) for a training run.
-
-    Args:
-        log_dir: Directory for ``metrics.jsonl``, ``samples.jsonl`` and ``run_config.json``.
-        tensorboard_enabled: Whether to also write TensorBoard event files.
-        tensorboard_dir: Where TensorBoard events go; defaults to ``<log_dir>/tensorboard``.
-        run_config: Optional run configuration, saved (secrets scrubbed, see :func:`scrub_secrets`) as
-            ``<log_dir>/run_config.json``, as TensorBoard text, as the W&B run config and as MLflow params.
-        wandb: ``logger.wandb`` settings to also log to Weights & Biases; ``None`` disables it.
-        mlflow: ``logger.mlflow`` settings to also log to MLflow; ``None`` disables it.
-
-    Raises:
-        MetricsBackendError: An enabled W&B / MLflow backend is not installed or could not start a run
-            (backends already started are closed first).
-    """
-
-    def __init__(
-        self,
-        log_dir: Path,
-        *,
-        tensorboard_enabled: bool,
-        tensorboard_dir: Path | None = None,
-        run_config: dict[str, Any] | None = None,
-        wandb: WandbConfig | None = None,
-        mlflow: MlflowConfig | None = None,
-    ) -> None:
-        self.log_dir = Path(log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        config = scrub_secrets(run_config) if run_config is not None else None
-        if config is not None:
-            text = json.dumps(_to_json_safe(config), indent=2, sort_keys=True, allow_nan=False)
-            _atomic_write_text(self.log_dir / RUN_CONFIG_FILE, text + "\n")
-        self.backends: list[MetricsBackend] = [JsonlBackend(self.log_dir)]
-        try:
-            if tensorboard_enabled:
-                tb_dir = (
-                    Path(tensorboard_dir) if tensorboard_dir is not None else self.log_dir / "tensorboard"
-                )
-                self.backends.append(TensorboardBackend(tb_dir, config))
-            if wandb is not None:
-                from rlfleet.logging.backends import WandbBackend
-
-                self.backends.append(WandbBackend(wandb, self.log_dir, config))
-            if mlflow is not None:
-                from rlfleet.logging.backends import MlflowBackend
-
-                self.backends.append(MlflowBackend(mlflow, self.log_dir, config))
-        except Exception:
-            for backend in self.backends:
-                backend.close(failed=True)
-            raise
-        self._samples = JsonlFile(self.log_dir / SAMPLES_FILE)
-        self._closed = False
-
-    @classmethod
-    def from_config(cls, logger_cfg: LoggerConfig, run_config: dict[str, Any] | None = None) -> MetricsLogger:
-        """Builds the logger a recipe's ``logger`` section asks for (TensorBoard, W&B, MLflow)."""
-        tb_dir = logger_cfg.tensorboard.log_dir
-        return cls(
-            Path(logger_cfg.log_dir),
-            tensorboard_enabled=logger_cfg.tensorboard_enabled,
-            tensorboard_dir=Path(tb_dir) if tb_dir else None,
-            run_config=run_config,
-            wandb=logger_cfg.wandb if logger_cfg.wandb_enabled else None,
-            mlflow=logger_cfg.mlflow if logger_cfg.mlflow_enabled else None,
-        )
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.log_dir / METRICS_FILE
-
-    @property
-    def samples_path(self) -> Path:
-        return self.log_dir / SAMPLES_FILE
-
-    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Logs flat scalar ``metrics`` (e.g. ``{"train/reward": 0.4}``) for ``step``.
-
-        Tensor / numpy scalars are converted with ``float()``; NaN and inf are stored as ``null``.
-        """
-        clean = {str(key): _to_scalar(value) for key, value in metrics.items() if key != "step"}
-        for backend in self.backends:
-            backend.log(int(step), clean)
-
-    def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
-        """Appends one ``{"step": step, **sample}`` line per sample to ``samples.jsonl``."""
-        for sample in samples:
-            fields = {str(k): _to_json_safe(v) for k, v in sample.items() if k != "step"}
-            self._samples.append({"step": int(step), **fields})
-
-    def truncate_after(self, step: int) -> None:
-        """Drops everything logged after ``step`` (call when resuming from a checkpoint at ``step``)."""
-        for backend in self.backends:
-            backend.truncate_after(step)
-        self._samples.truncate_after(step)
-
-    def close(self, *, failed: bool = False) -> None:
-        """Flushes and closes every backend (``failed`` marks tracker runs failed); safe to call twice."""
-        if self._closed:
-            return
-        self._closed = True
-        for backend in self.backends:
-            backend.close(failed=failed)
-        self._samples.close()
-
-    def __enter__(self) -> MetricsLogger:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close(failed=exc is not None)

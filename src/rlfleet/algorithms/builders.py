@@ -1,0 +1,152 @@
+"""Building a run's components from the config: the policy and its generation backend, the reward
+workers, the prompts.
+
+Each builder reads the config and hands the component explicit arguments; the loops call these and then
+wire the results together (see :mod:`rlfleet.algorithms.run`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from rlfleet.config import MasterConfig
+from rlfleet.config.capabilities import uses_ray
+from rlfleet.config.layout import compute_layout
+from rlfleet.data import Prompt, build_prompts, load_prompt_template, load_task, resolve_system_prompt
+from rlfleet.distributed.sharded_worker import ShardingSettings
+from rlfleet.generation import GenerationBackend, HFGenerationBackend
+from rlfleet.models.loading import ModelSource
+from rlfleet.policy.interface import Policy
+from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
+from rlfleet.rewards import ScoringPool, VerifierPool
+
+log = logging.getLogger("rlfleet")
+
+
+def model_source(cfg: MasterConfig) -> ModelSource:
+    """Where every worker loads the policy from."""
+    p = cfg.policy
+    return ModelSource(p.model_name, p.precision, p.gguf_file, p.tokenizer.name)
+
+
+def optimizer_settings(cfg: MasterConfig) -> OptimizerSettings:
+    p = cfg.policy
+    if p.optimizer.name not in ("torch.optim.AdamW", "AdamW"):  # the schema admits AdamW only
+        raise ValueError(
+            f"policy.optimizer.name={p.optimizer.name!r} is not supported; use torch.optim.AdamW"
+        )
+    o = p.optimizer.kwargs
+    return OptimizerSettings(
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=o.betas,
+        eps=o.eps,
+        warmup_steps=p.scheduler.warmup_steps,
+        warmup_start_factor=p.scheduler.warmup_start_factor,
+        max_grad_norm=p.max_grad_norm,
+    )
+
+
+def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> PolicyWorker:
+    """Loads the policy named by ``policy.model_name`` into an in-process worker with its optimizer."""
+    settings = optimizer_settings(cfg)
+    torch.manual_seed(seed)
+    # float32 master weights computing in policy.precision; on the GPU when there is one (the Ray layer
+    # places multi-GPU workers)
+    return PolicyWorker(
+        model_source(cfg),
+        settings,
+        keep_reference=keep_reference,
+        activation_checkpointing=cfg.policy.dtensor_cfg.activation_checkpointing,
+    )
+
+
+def build_backend(cfg: MasterConfig, worker: PolicyWorker) -> GenerationBackend:
+    """The configured generation backend, colocated with ``worker``."""
+    return HFGenerationBackend(
+        worker.model,
+        worker.tokenizer,
+        cfg.policy.generation.batch_size,
+        compute_dtype=worker.autocast_dtype,
+    )
+
+
+def build_policy(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> tuple[Policy, GenerationBackend]:
+    """The policy and its generation backend: in this process, or on Ray when the layout asks for it.
+
+    The caller owns what this starts: ``policy.close()`` stops the Ray actors (a no-op in-process).
+    """
+    if not uses_ray(cfg):
+        worker = build_worker(cfg, seed=seed, keep_reference=keep_reference)
+        return worker, build_backend(cfg, worker)
+    from rlfleet.distributed.ray_policy import RayGeneration, RayPolicy, RayRuntime  # the ray extra
+
+    layout, _ = compute_layout(cfg)
+    p, c = cfg.policy, cfg.cluster
+    source = model_source(cfg)
+    runtime = RayRuntime(
+        layout,
+        source,
+        optimizer_settings(cfg),
+        ShardingSettings(p.dtensor_cfg.tensor_parallel_size, p.dtensor_cfg.activation_checkpointing),
+        generation_batch_size=p.generation.batch_size,
+        keep_reference=keep_reference,
+        seed=seed,
+        call_timeout_s=c.call_timeout_s,
+        placement_timeout_s=c.placement_timeout_s,
+    )
+    try:
+        backend = RayGeneration(runtime, c.generation_retries)
+        return RayPolicy(runtime, source.load_tokenizer(), keep_reference), backend
+    except BaseException:
+        runtime.close()
+        raise
+
+
+def build_verifier(cfg: MasterConfig) -> ScoringPool:
+    """The reward workers, ``env.math.num_workers`` of them, each response bounded by ``timeout_s``.
+
+    Ray actors (restarted when they die) when the run is on Ray, else local processes. The caller owns
+    them: ``close()`` (or a ``with`` block) stops them.
+    """
+    m = cfg.env.math
+    if uses_ray(cfg):
+        from rlfleet.rewards.ray_pool import RayVerifierPool  # the ray extra
+
+        # Reward checks are short CPU bursts between the model phases: they reserve no CPU, so they never
+        # wait behind the bundles the training and generation workers hold.
+        return RayVerifierPool(m.reward_fn, m.num_workers, m.timeout_s, num_cpus=0)
+    return VerifierPool(m.reward_fn, m.num_workers, m.timeout_s)
+
+
+def prompt_budget(cfg: MasterConfig) -> int:
+    """Longest prompt (tokens) that still leaves room for ``max_new_tokens`` in the sequence limit."""
+    limit = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
+    return min(limit, cfg.data.max_input_seq_length or limit)
+
+
+@dataclass
+class TaskData:
+    train: list[Prompt]
+    val: list[Prompt]
+    dropped: int
+
+
+def load_prompts(cfg: MasterConfig, tokenizer: PreTrainedTokenizerBase, max_val_samples: int) -> TaskData:
+    """Loads the task and renders its prompts; too-long prompts are dropped and counted."""
+    train_ex, val_ex = load_task(cfg.data)
+    system_prompt = resolve_system_prompt(cfg.data)
+    template = load_prompt_template(cfg.data)
+    budget = prompt_budget(cfg)
+    kwargs = {"system_prompt": system_prompt, "max_prompt_tokens": budget, "prompt_template": template}
+    train, dropped_train = build_prompts(tokenizer, train_ex, **kwargs)
+    val, dropped_val = build_prompts(tokenizer, val_ex[:max_val_samples], **kwargs)
+    if dropped_train or dropped_val:
+        log.warning(
+            "dropped %d train and %d val prompts longer than %d tokens", dropped_train, dropped_val, budget
+        )
+    return TaskData(train=train, val=val, dropped=dropped_train + dropped_val)

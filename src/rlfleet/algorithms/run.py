@@ -1,0 +1,188 @@
+"""The run around a loop's step: resume, validate, checkpoint, log, and release everything at the end.
+
+Shared by SFT and GRPO. Each loop builds its components (:mod:`rlfleet.algorithms.builders`), hands them to
+:func:`make_context` and drives its ``step`` with :func:`run_loop`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlfleet.checkpoint import CheckpointManager
+from rlfleet.config import MasterConfig, config_to_yaml
+from rlfleet.data import ResumableLoader
+from rlfleet.logging import MetricsLogger, Progress, format_step_line, plot_run, read_metrics
+from rlfleet.policy.interface import Policy
+from rlfleet.rewards import ScoringPool
+
+log = logging.getLogger("rlfleet")
+STEP_RECORD = "step_record"  # training_info.json key holding the step's metrics.jsonl record
+# Metrics that measure the machine, not the run: not carried across a resume nor used to rank checkpoints.
+MACHINE_METRICS = ("timing/", "perf/")
+
+
+def step_seed(seed: int, step: int, salt: int = 0) -> int:
+    """A distinct, reproducible RNG seed for each step (and purpose ``salt``)."""
+    return (seed * 1_000_003 + step * 7_919 + salt) % (2**31 - 1)
+
+
+@dataclass
+class RunContext:
+    """The live objects of a run, shared by the SFT and GRPO loops."""
+
+    cfg: MasterConfig
+    worker: Policy
+    loader: ResumableLoader[Any]
+    logger: MetricsLogger
+    checkpoints: CheckpointManager | None
+    verifier: ScoringPool
+    total_steps: int
+    step: int = 0
+    last_metrics: dict[str, float] = field(default_factory=dict)
+
+    def training_info(self, step_metrics: dict[str, float]) -> dict[str, Any]:
+        """Counters, the latest value of every metric (ranks checkpoints), and this step's log record.
+
+        ``step_metrics`` is the exact record for this step, so a run killed between writing the checkpoint
+        and appending to ``metrics.jsonl`` gets the line back on resume.
+        """
+        kept = {k: v for k, v in self.last_metrics.items() if not k.startswith(MACHINE_METRICS)}
+        return {"step": self.step, "epoch": self.loader.epoch, **kept, STEP_RECORD: step_metrics}
+
+
+def make_context(
+    cfg: MasterConfig,
+    worker: Policy,
+    verifier: ScoringPool,
+    items: Sequence[Any],
+    batch_size: int,
+    *,
+    seed: int,
+    max_num_steps: int,
+    max_num_epochs: int,
+) -> RunContext:
+    """Creates the loader, logger and checkpoint manager, then resumes from the newest checkpoint.
+
+    The context owns ``worker`` and ``verifier`` from here: :func:`run_loop` closes them at the end. When
+    this raises, the logger it started is closed; ``worker`` and ``verifier`` stay the caller's to close.
+    """
+    loader = ResumableLoader(items, batch_size, shuffle=cfg.data.shuffle, seed=seed)
+    total = min(max_num_steps, max_num_epochs * loader.batches_per_epoch)
+    c, lg = cfg.checkpointing, cfg.logger
+    checkpoints = (
+        CheckpointManager(Path(c.checkpoint_dir), c.metric_name, c.higher_is_better, c.keep_top_k)
+        if c.enabled
+        else None
+    )
+    logger = MetricsLogger.from_config(lg, run_config=cfg.model_dump(mode="json"))
+    ctx = RunContext(cfg, worker, loader, logger, checkpoints, verifier, total_steps=total)
+    try:
+        resume(ctx)
+    except BaseException:
+        logger.close(failed=True)
+        raise
+    return ctx
+
+
+def resume(ctx: RunContext) -> None:
+    """Restores weights, optimizer, scheduler, RNG, dataloader and counters from the newest checkpoint."""
+    if ctx.checkpoints is None:
+        return
+    path = ctx.checkpoints.latest()
+    if path is None:
+        ctx.logger.truncate_after(-1)  # a run killed before its first checkpoint starts over cleanly
+        return
+    info = ctx.checkpoints.load_training_info(path)
+    ctx.worker.load(path)
+    ctx.loader.load_state_dict(ctx.checkpoints.load_dataloader_state(path))
+    ctx.checkpoints.restore_rng(path)
+    ctx.step = int(info["step"])
+    ctx.last_metrics = {k: v for k, v in info.items() if "/" in k and not k.startswith(MACHINE_METRICS)}
+    ctx.logger.truncate_after(ctx.step)
+    if ctx.step not in {r["step"] for r in read_metrics(ctx.logger.log_dir)} and info.get(STEP_RECORD):
+        ctx.logger.log(ctx.step, info[STEP_RECORD])  # killed after the checkpoint, before the log line
+    log.info("resumed from %s (step %d)", path, ctx.step)
+
+
+def save_checkpoint(ctx: RunContext, step_metrics: dict[str, float]) -> Path | None:
+    """Writes ``step_N`` for the current step (no-op when checkpointing is disabled)."""
+    if ctx.checkpoints is None:
+        return None
+    return ctx.checkpoints.save(
+        ctx.step,
+        config_yaml=config_to_yaml(ctx.cfg),
+        training_info=ctx.training_info(step_metrics),
+        dataloader_state=ctx.loader.state_dict(),
+        write_policy=ctx.worker.save,
+    )
+
+
+def should_checkpoint(ctx: RunContext) -> bool:
+    c = ctx.cfg.checkpointing
+    return c.enabled and (ctx.step % c.save_period == 0 or ctx.step == ctx.total_steps)
+
+
+def should_validate(step: int, total: int, period: int, at_end: bool) -> bool:
+    return (period > 0 and step % period == 0) or (at_end and step == total)
+
+
+def run_loop(
+    ctx: RunContext,
+    name: str,
+    step_fn: Callable[[], dict[str, float]],
+    validate_fn: Callable[[], dict[str, float]],
+    *,
+    val_period: int,
+    val_at_start: bool,
+    val_at_end: bool,
+) -> dict[str, float]:
+    """Drives ``step_fn`` from the resumed step to ``total_steps``: validate, checkpoint, log, plot.
+
+    Returns the metrics of the last step (validation included when it ran).
+    """
+    with closing_run(ctx):
+        if ctx.step >= ctx.total_steps:
+            log.info("%s: already complete at step %d/%d; nothing to do", name, ctx.step, ctx.total_steps)
+            return ctx.last_metrics
+        if ctx.step == 0 and val_at_start:
+            ctx.last_metrics = validate_fn()
+            ctx.logger.log(0, ctx.last_metrics)
+        progress = Progress(ctx.total_steps, ctx.step, name, ctx.cfg.logger.progress_bar)
+        metrics: dict[str, float] = {}
+        while ctx.step < ctx.total_steps:
+            metrics = step_fn()
+            ctx.step += 1
+            if should_validate(ctx.step, ctx.total_steps, val_period, val_at_end):
+                metrics.update(validate_fn())
+            ctx.last_metrics = {**ctx.last_metrics, **metrics}
+            if should_checkpoint(ctx):
+                start = time.perf_counter()
+                save_checkpoint(ctx, dict(metrics))
+                metrics["timing/checkpoint"] = time.perf_counter() - start
+            ctx.logger.log(ctx.step, metrics)
+            progress.update()
+            progress.write(format_step_line(ctx.step, ctx.total_steps, metrics))
+        progress.close()
+        plot_run(ctx.logger.log_dir)
+        return metrics
+
+
+@contextmanager
+def closing_run(ctx: RunContext) -> Iterator[None]:
+    """Closes the reward workers and the loggers at the end, marking the run failed on an exception."""
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        try:
+            ctx.verifier.close()
+            ctx.worker.close()
+        finally:
+            ctx.logger.close(failed=failed)

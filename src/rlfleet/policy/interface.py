@@ -1,0 +1,72 @@
+"""The policy interface: what the algorithms need from the trainable model, wherever it runs.
+
+Two classes implement it structurally: :class:`~rlfleet.policy.worker.PolicyWorker` (one model in this
+process) and :class:`~rlfleet.distributed.ray_policy.RayPolicy` (the sharded training ranks on Ray, seen
+as one). The loops (SFT, GRPO, ``rlfleet eval``) are typed against :class:`Policy` and the generation
+side's :class:`~rlfleet.generation.GenerationBackend`, so they never learn which one they drive.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from rlfleet.policy.batch import TrainBatch
+    from rlfleet.policy.worker import LossFn
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A trainable policy: logprobs and optimizer steps over batches, checkpoints, and its tokenizer."""
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The policy's tokenizer (its ``pad_token_id`` pads training batches)."""
+        ...
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether a frozen copy of the initial weights is kept (``logprobs(..., reference=True)``)."""
+        ...
+
+    def logprobs(
+        self, batch: TrainBatch, micro_batch_size: int, *, reference: bool = False, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """``[B, T]`` token logprobs of the policy (or of the frozen reference) over ``batch``."""
+        ...
+
+    def train(
+        self,
+        batch: TrainBatch,
+        loss_fn: LossFn,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
+        """One optimizer step per ``global_batch_size`` rows of ``batch``; metrics averaged over steps."""
+        ...
+
+    def take_metrics(self, total_tokens: int) -> dict[str, float]:
+        """Per-worker balance since the last call, which processed ``total_tokens`` (may be empty)."""
+        ...
+
+    def save(self, step_dir: Path) -> None:
+        """Writes weights, optimizer, scheduler and tokenizer under ``step_dir/policy``."""
+        ...
+
+    def load(self, step_dir: Path) -> None:
+        """Restores weights, optimizer and scheduler written by :meth:`save` (resume)."""
+        ...
+
+    def load_weights(self, step_dir: Path) -> None:
+        """Restores the weights only (evaluating a checkpoint)."""
+        ...
+
+    def close(self) -> None:
+        """Releases what the policy holds (the Ray actors); a no-op in-process."""
+        ...

@@ -1,0 +1,90 @@
+"""A trainer whose constructor fails releases what it had started: reward worker processes, the policy."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+import rlfleet.algorithms.grpo as grpo_module
+import rlfleet.algorithms.sft as sft_module
+from rlfleet.data.errors import DataError
+from tests.conftest import small_grpo_config
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("module", [grpo_module, sft_module], ids=["grpo", "sft"])
+@pytest.mark.parametrize("failing", ["load_prompts", "make_context"])
+def test_a_failed_constructor_leaves_no_worker_behind(
+    module: Any, failing: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: dict[str, Any] = {}
+    real_policy, real_verifier = module.build_policy, module.build_verifier
+
+    def build_policy(*args: Any, **kwargs: Any) -> Any:
+        policy, backend = real_policy(*args, **kwargs)
+        real_close = policy.close
+        started["policy_closed"] = False
+
+        def close() -> None:
+            started["policy_closed"] = True
+            real_close()
+
+        monkeypatch.setattr(policy, "close", close)
+        return policy, backend
+
+    def build_verifier(*args: Any, **kwargs: Any) -> Any:
+        started["verifier"] = pool = real_verifier(*args, **kwargs)
+        started["pids"] = [pid for pid in pool.worker_pids if pid is not None]
+        return pool
+
+    def bad_data(*args: Any, **kwargs: Any) -> Any:
+        assert "verifier" in started, "the verifier pool should be running when this fails"
+        raise DataError("val.jsonl line 3: no 'answer' field; fix the row")
+
+    monkeypatch.setattr(module, "build_policy", build_policy)
+    monkeypatch.setattr(module, "build_verifier", build_verifier)
+    monkeypatch.setattr(module, failing, bad_data)
+    trainer = module.GRPO if module is grpo_module else module.SFT
+    cfg = small_grpo_config(tiny_model_dir, tmp_path, "env.math.num_workers=2")
+
+    with pytest.raises(DataError, match="no 'answer' field"):
+        trainer(cfg)
+
+    assert len(started["pids"]) == 2
+    left = [pid for pid in started["pids"] if _alive(pid)]
+    assert not left, f"reward workers {left} outlived the failed constructor"
+    assert not [p for p in multiprocessing.active_children() if p.name == "rlfleet-verifier"]
+    assert started["policy_closed"]
+
+
+def test_a_failed_resume_closes_the_logger_and_the_workers(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import rlfleet.algorithms.run as run_module
+
+    loggers: list[Any] = []
+    real_from_config = run_module.MetricsLogger.from_config
+
+    def from_config(*args: Any, **kwargs: Any) -> Any:
+        loggers.append(real_from_config(*args, **kwargs))
+        return loggers[-1]
+
+    def corrupt_checkpoint(ctx: Any) -> None:
+        raise RuntimeError("step_2/policy is unreadable")
+
+    monkeypatch.setattr(run_module.MetricsLogger, "from_config", from_config)
+    monkeypatch.setattr(run_module, "resume", corrupt_checkpoint)
+    with pytest.raises(RuntimeError, match="unreadable"):
+        grpo_module.GRPO(small_grpo_config(tiny_model_dir, tmp_path))
+    assert len(loggers) == 1 and loggers[0]._closed
+    assert not [p for p in multiprocessing.active_children() if p.name == "rlfleet-verifier"]
