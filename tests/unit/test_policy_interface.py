@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from rlfleet.models.tiny import TinyModelSpec, build_tiny_model, train_tokenizer
+from rlfleet.models.loading import ModelSource
 from rlfleet.policy.interface import Policy
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
 
@@ -20,17 +21,15 @@ SETTINGS = OptimizerSettings(
     warmup_start_factor=1.0,
     max_grad_norm=1.0,
 )
-SPEC = TinyModelSpec(hidden_size=16, intermediate_size=32, num_hidden_layers=1, vocab_size=300)
 
 
-def _policies() -> dict[str, object]:
+def _policies(model_dir: Path) -> dict[str, object]:
     """One of each, built without a download or a Ray cluster."""
     from rlfleet.distributed.ray_policy import RayPolicy  # the ray extra (installed in dev)
 
-    tokenizer = train_tokenizer(["one two three"], 300)
-    model = build_tiny_model(SPEC, tokenizer, seed=0)
-    worker = PolicyWorker(model, tokenizer, SETTINGS, keep_reference=False)
-    on_ray = RayPolicy(SimpleNamespace(), tokenizer, keep_reference=True)  # a runtime is never called here
+    worker = PolicyWorker(ModelSource(str(model_dir)), SETTINGS, keep_reference=False)
+    # a runtime is never called here
+    on_ray = RayPolicy(SimpleNamespace(), worker.tokenizer, keep_reference=True)
     return {"PolicyWorker": worker, "RayPolicy": on_ray}
 
 
@@ -50,8 +49,8 @@ def test_the_interface_lists_what_the_loops_call() -> None:
 
 
 @pytest.mark.parametrize("kind", ["PolicyWorker", "RayPolicy"])
-def test_both_policies_implement_the_interface(kind: str) -> None:
-    policy = _policies()[kind]
+def test_both_policies_implement_the_interface(kind: str, tiny_model_dir: Path) -> None:
+    policy = _policies(tiny_model_dir)[kind]
     assert isinstance(policy, Policy)
     for name in POLICY_ATTRIBUTES:
         assert getattr(policy, name) is not None, name
