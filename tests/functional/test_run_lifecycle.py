@@ -10,7 +10,8 @@ import psutil
 import pytest
 
 import rlfleet.algorithms.grpo as grpo_module
-import rlfleet.algorithms.sft as sft_module
+import rlfleet.algorithms.run as run_module
+from rlfleet.algorithms.sft import SFT
 from rlfleet.data.errors import DataError
 from tests.conftest import small_grpo_config
 
@@ -22,11 +23,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("module", [grpo_module, sft_module], ids=["grpo", "sft"])
+@pytest.mark.parametrize("trainer", [grpo_module.GRPO, SFT], ids=["grpo", "sft"])
 @pytest.mark.parametrize("failing", ["load_prompts", "make_context"])
 def test_a_failed_constructor_leaves_no_worker_behind(
-    module: Any, failing: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    trainer: Any, failing: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    module = run_module  # where both trainers start their components (start_run)
     started: dict[str, Any] = {}
     real_policy, real_verifier = module.build_policy, module.build_verifier
 
@@ -54,7 +56,6 @@ def test_a_failed_constructor_leaves_no_worker_behind(
     monkeypatch.setattr(module, "build_policy", build_policy)
     monkeypatch.setattr(module, "build_verifier", build_verifier)
     monkeypatch.setattr(module, failing, bad_data)
-    trainer = module.GRPO if module is grpo_module else module.SFT
     cfg = small_grpo_config(tiny_model_dir, tmp_path, "env.math.num_workers=2")
 
     with pytest.raises(DataError, match="no 'answer' field"):
@@ -70,8 +71,6 @@ def test_a_failed_constructor_leaves_no_worker_behind(
 def test_a_failed_resume_closes_the_logger_and_the_workers(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import rlfleet.algorithms.run as run_module
-
     loggers: list[Any] = []
     real_from_config = run_module.MetricsLogger.from_config
 

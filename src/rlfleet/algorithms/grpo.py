@@ -12,15 +12,13 @@ the whole global batch (``loss_fn.token_level_loss``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import ExitStack
 
 import torch
 
 from rlfleet.algorithms.advantages import group_advantages, zero_variance_fraction
-from rlfleet.algorithms.builders import build_policy, build_verifier, load_prompts
 from rlfleet.algorithms.evaluation import evaluate
 from rlfleet.algorithms.rollouts import Rollout, accuracy, generate_rollouts, mean_response_length, score
-from rlfleet.algorithms.run import RunContext, make_context, run_loop, step_seed
+from rlfleet.algorithms.run import RunContext, run_loop, start_run, step_seed
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
 from rlfleet.generation import GenerationBackend, SamplingParams
 from rlfleet.policy.batch import TrainBatch, collate
@@ -76,28 +74,15 @@ class GRPO:
         self.cfg, g, gen = cfg, cfg.grpo, cfg.policy.generation
         self.loss_fn = loss_from_config(cfg)
         self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k)
-        with ExitStack() as started:  # a constructor that fails releases what it started
-            policy, self.backend = build_policy(
-                cfg, seed=g.seed, keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0
-            )
-            started.callback(policy.close)
-            verifier = build_verifier(cfg)
-            started.callback(verifier.close)
-            self.data = load_prompts(cfg, policy.tokenizer, g.max_val_samples)
-            self.ctx = make_context(
-                cfg,
-                policy,
-                verifier,
-                self.data.train,
-                g.num_prompts_per_step,
-                seed=g.seed,
-                max_num_steps=g.max_num_steps,
-                max_num_epochs=g.max_num_epochs,
-            )
-            started.callback(self.ctx.logger.close, failed=True)
-            if self.ctx.step > 0:
-                self.backend.refit()  # resumed weights reach engines that hold their own copy
-            started.pop_all()  # from here the run owns them: run_loop closes them
+        self.ctx, self.backend, self.data = start_run(
+            cfg,
+            seed=g.seed,
+            keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0,
+            max_val_samples=g.max_val_samples,
+            batch_size=g.num_prompts_per_step,
+            max_num_steps=g.max_num_steps,
+            max_num_epochs=g.max_num_epochs,
+        )
 
     def step(self) -> dict[str, float]:
         cfg, ctx, worker, timer = self.cfg, self.ctx, self.ctx.worker, PhaseTimer()

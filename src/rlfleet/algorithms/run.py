@@ -9,14 +9,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlfleet.algorithms.builders import TaskData, build_policy, build_verifier, load_prompts
 from rlfleet.checkpoint import CheckpointManager
 from rlfleet.config import MasterConfig, config_to_yaml
 from rlfleet.data import ResumableLoader
+from rlfleet.generation import GenerationBackend
 from rlfleet.logging import MetricsLogger, Progress, format_step_line, plot_run, read_metrics
 from rlfleet.policy.interface import Policy
 from rlfleet.rewards import ScoringPool
@@ -88,6 +90,45 @@ def make_context(
         logger.close(failed=True)
         raise
     return ctx
+
+
+def start_run(
+    cfg: MasterConfig,
+    *,
+    seed: int,
+    keep_reference: bool,
+    max_val_samples: int,
+    batch_size: int,
+    max_num_steps: int,
+    max_num_epochs: int,
+) -> tuple[RunContext, GenerationBackend, TaskData]:
+    """Starts a loop's components (policy and generation, reward workers, data, context) and resumes.
+
+    When any step fails, whatever was already started (Ray actors, reward worker processes, loggers) is
+    released before the error propagates; once this returns, the context owns it all and :func:`run_loop`
+    releases it at the end.
+    """
+    with ExitStack() as started:
+        policy, backend = build_policy(cfg, seed=seed, keep_reference=keep_reference)
+        started.callback(policy.close)
+        verifier = build_verifier(cfg)
+        started.callback(verifier.close)
+        data = load_prompts(cfg, policy.tokenizer, max_val_samples)
+        ctx = make_context(
+            cfg,
+            policy,
+            verifier,
+            data.train,
+            batch_size,
+            seed=seed,
+            max_num_steps=max_num_steps,
+            max_num_epochs=max_num_epochs,
+        )
+        started.callback(ctx.logger.close, failed=True)
+        if ctx.step > 0:
+            backend.refit()  # resumed weights reach engines that hold their own copy
+        started.pop_all()
+    return ctx, backend, data
 
 
 def resume(ctx: RunContext) -> None:

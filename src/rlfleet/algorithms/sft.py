@@ -8,13 +8,11 @@ step each; validation generates answers and scores them with the same reward as 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import ExitStack
 
 from transformers import PreTrainedTokenizerBase
 
-from rlfleet.algorithms.builders import build_policy, build_verifier, load_prompts
 from rlfleet.algorithms.evaluation import evaluate
-from rlfleet.algorithms.run import RunContext, make_context, run_loop, step_seed
+from rlfleet.algorithms.run import RunContext, run_loop, start_run, step_seed
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
 from rlfleet.data import Prompt, response_target
 from rlfleet.generation import GenerationBackend, SamplingParams
@@ -40,23 +38,15 @@ class SFT:
         ensure_runnable(cfg)
         self.cfg, s = cfg, cfg.sft
         self.loss_fn = NLLLossFn(token_level=cfg.loss_fn.token_level_loss)
-        with ExitStack() as started:  # a constructor that fails releases what it started
-            policy, self.backend = build_policy(cfg, seed=s.seed, keep_reference=False)
-            started.callback(policy.close)
-            verifier = build_verifier(cfg)
-            started.callback(verifier.close)
-            self.data = load_prompts(cfg, policy.tokenizer, s.max_val_samples)
-            self.ctx = make_context(
-                cfg,
-                policy,
-                verifier,
-                self.data.train,
-                cfg.policy.train_global_batch_size,
-                seed=s.seed,
-                max_num_steps=s.max_num_steps,
-                max_num_epochs=s.max_num_epochs,
-            )
-            started.pop_all()  # from here the run owns them: run_loop closes them
+        self.ctx, self.backend, self.data = start_run(
+            cfg,
+            seed=s.seed,
+            keep_reference=False,
+            max_val_samples=s.max_val_samples,
+            batch_size=cfg.policy.train_global_batch_size,
+            max_num_steps=s.max_num_steps,
+            max_num_epochs=s.max_num_epochs,
+        )
 
     def step(self) -> dict[str, float]:
         worker, p, timer = self.ctx.worker, self.cfg.policy, PhaseTimer()
