@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from rlfleet.checkpoint.dcp_io import TOKENIZER_DIR, load_model_state_dict, policy_dir
 from rlfleet.checkpoint.manager import CONFIG_FILE, is_complete_checkpoint, verify_checkpoint
-from rlfleet.models.loading import DTYPES, resolve_model_path
+from rlfleet.models.loading import DTYPES, drop_gguf_config, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,8 @@ def build_model_from_name(
 
     Args:
         model_name: Hugging Face hub id or local directory holding a ``config.json``.
-        gguf_file: A GGUF file inside ``model_name`` whose architecture to use.
+        gguf_file: A GGUF file inside ``model_name`` whose architecture to use (the config keeps
+            no GGUF record: the exported model is a plain one).
         trust_remote_code: Allow custom modelling code from the model repository.
     """
     config_kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
@@ -44,6 +45,8 @@ def build_model_from_name(
             "policy.model_name). Make the base model directory or hub id reachable (set HF_HOME or "
             "HF_HUB_OFFLINE=1 with a populated cache) and retry."
         ) from err
+    if gguf_file is not None:
+        drop_gguf_config(config)
     return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 

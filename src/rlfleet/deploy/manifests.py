@@ -3,10 +3,12 @@
 ``rlfleet k8s render`` writes, as one multi-document YAML for ``kubectl apply -f``:
 
 1. ``GKENetworkParamSet`` + ``Network`` for ``gvnic-1`` and ``rdma-0..7`` (cluster-scoped, idempotent);
-2. a ``ConfigMap`` holding the recipe (its ``defaults:`` parents merged in), mounted on the Ray head at
-   ``/etc/rlfleet/recipe.yaml``. A ConfigMap rather than a heredoc in the entrypoint: the recipe stays
-   readable (``kubectl get configmap -o yaml``), the entrypoint stays one short line, and nothing in it
-   passes through the two shells that KubeRay's submitter and Ray's job manager put in between;
+2. a ``ConfigMap`` holding the resolved recipe (every key: ``defaults:`` parents merged, command-line
+   overrides applied, checkpoint and log directories on the shared volume), mounted on the Ray head at
+   ``/etc/rlfleet/recipe.yaml``. The entrypoint is ``rlfleet grpo /etc/rlfleet/recipe.yaml`` with no
+   overrides: none of the run's settings passes through the two shells that KubeRay's submitter and
+   Ray's job manager put in between, so an override's quotes or spaces (the seed's ``+data.subset="main"``)
+   mean what they mean to ``rlfleet validate``; the settings stay readable (``kubectl get configmap``);
 3. a ``RayJob`` (or, with ``--cluster-only``, a ``RayCluster`` for ``rlfleet submit``) with a CPU head and
    one GPU worker group of ``cluster.num_nodes`` pods x 8 GPUs.
 
@@ -19,7 +21,6 @@ Secrets (``HF_TOKEN``, ``WANDB_API_KEY``, ``RAY_AUTH_TOKEN``) only appear as ``s
 from __future__ import annotations
 
 import json
-import re
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,8 +32,8 @@ import yaml
 from rlfleet.config import (
     MasterConfig,
     check_config,
+    config_to_yaml,
     load_recipe,
-    load_yaml_with_defaults,
     quote_override_value,
     resolve_recipe_path,
     unsupported_settings,
@@ -65,7 +66,6 @@ DASHBOARD_PORT = 8265
 SECRET_KEYS = ("HF_TOKEN", "WANDB_API_KEY", "RAY_AUTH_TOKEN")
 """Keys of the Kubernetes Secret (created by the `gke plan` commands from the user's environment)."""
 
-_SAFE_ARG = re.compile(r"[A-Za-z0-9_./:=+,@%~\-]+")
 _LABELS = {"app.kubernetes.io/name": "rlfleet", "app.kubernetes.io/managed-by": "rlfleet"}
 
 
@@ -340,20 +340,6 @@ def _persistent(path: str, kind: str, name: str) -> tuple[str, str | None]:
     return moved, f"{kind} directory {path!r} is not on the shared volume; the job uses {moved}"
 
 
-def _override_key(override: str) -> str:
-    return re.sub(r"^(\+\+|\+|~)", "", override).split("=", 1)[0].strip()
-
-
-def _check_args(overrides: Sequence[str]) -> None:
-    unsafe = [o for o in overrides if not _SAFE_ARG.fullmatch(o)]
-    if unsafe:
-        raise DeployError(
-            f"override(s) {unsafe} contain spaces, quotes or shell characters, which KubeRay's submitter "
-            "and Ray's job manager would each re-split; put those settings in the recipe file instead "
-            "(the recipe travels in a ConfigMap unchanged)"
-        )
-
-
 def _check_sizing(cfg: MasterConfig, profile: GpuProfile) -> None:
     if cfg.cluster.gpus_per_node != profile.gpus_per_node:
         raise DeployError(
@@ -364,20 +350,34 @@ def _check_sizing(cfg: MasterConfig, profile: GpuProfile) -> None:
         )
 
 
-def _recipe_configmap(opts: RenderOptions, name: str, recipe: Path) -> dict[str, Any]:
-    merged = load_yaml_with_defaults(recipe)
-    text = f"# {recipe.name}, with its `defaults:` parents merged in (rendered by rlfleet k8s render)\n"
-    text += yaml.safe_dump(merged, sort_keys=False, allow_unicode=True)
+def resolved_recipe(cfg: MasterConfig, recipe: Path, overrides: Sequence[str]) -> str:
+    """The whole config as a recipe (``load_recipe`` of it equals ``cfg``), headed by where it came from.
+
+    Only schema keys are written, and the schema has no field for a secret (tokens come from the
+    environment, i.e. the Secret), so no token can reach the ConfigMap.
+    """
+    header = [
+        f"{recipe.name} resolved by rlfleet k8s render: `defaults:` parents merged, overrides applied,",
+        "checkpoint and log directories on the shared volume. The job runs it with no overrides.",
+        *(f"override: {json.dumps(o, ensure_ascii=False)}" for o in overrides),
+    ]
+    return "".join(f"# {line}\n" for line in header) + config_to_yaml(cfg)
+
+
+def _recipe_configmap(opts: RenderOptions, name: str, recipe_text: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": f"{name}-recipe", "namespace": opts.namespace, "labels": dict(_LABELS)},
-        "data": {RECIPE_FILE: text},
+        "data": {RECIPE_FILE: recipe_text},
     }
 
 
 def render_job(recipe: str, overrides: Sequence[str], opts: RenderOptions) -> RenderedJob:
     """Load and check ``recipe`` + ``overrides`` and build every manifest of the run.
+
+    The overrides are resolved into the recipe that travels in the ConfigMap (``resolved_recipe``); the
+    job's entrypoint carries none, so any override ``rlfleet validate`` accepts renders as it is.
 
     Raises:
         DeployError: an option is invalid or the recipe does not fit the GPU nodes.
@@ -389,7 +389,6 @@ def render_job(recipe: str, overrides: Sequence[str], opts: RenderOptions) -> Re
         raise DeployError("--backoff-limit and --ttl-seconds must be >= 0 (retries after preemption: use 3)")
     path = resolve_recipe_path(recipe)
     name = check_k8s_name(opts.name or default_k8s_name(path.stem))
-    _check_args(overrides)
     first = load_recipe(path, list(overrides))
     ckpt, ckpt_note = _persistent(first.checkpointing.checkpoint_dir, "checkpoints", name)
     logs, log_note = _persistent(first.logger.log_dir, "logs", name)
@@ -408,19 +407,14 @@ def render_job(recipe: str, overrides: Sequence[str], opts: RenderOptions) -> Re
             f"policy.model_name {cfg.policy.model_name!r} is a local path here; the pods need it too "
             f"(copy it under {DATA_MOUNT} and override policy.model_name, or use a hub id)"
         )
-    kept = [
-        o for o in overrides if _override_key(o) not in ("checkpointing.checkpoint_dir", "logger.log_dir")
-    ]
-    final_args = [*kept, f"checkpointing.checkpoint_dir={ckpt}", f"logger.log_dir={logs}"]
-    _check_args(final_args)
-    entrypoint = shlex.join(["rlfleet", "grpo", f"{RECIPE_MOUNT}/{RECIPE_FILE}", *final_args])
+    entrypoint = shlex.join(["rlfleet", "grpo", f"{RECIPE_MOUNT}/{RECIPE_FILE}"])
     docs = network_documents(opts.network_prefix)
     wandb = cfg.logger.wandb_enabled
     if opts.cluster_only:
         spec = ray_cluster_spec(opts, cfg.cluster.num_nodes, None, wandb)
         docs.append(_ray_object("RayCluster", name, opts, spec))
     else:
-        configmap = _recipe_configmap(opts, name, path)
+        configmap = _recipe_configmap(opts, name, resolved_recipe(cfg, path, overrides))
         docs.append(configmap)
         spec = ray_cluster_spec(opts, cfg.cluster.num_nodes, configmap["metadata"]["name"], wandb)
         docs.append(_ray_object("RayJob", name, opts, _rayjob_spec(opts, entrypoint, spec)))

@@ -8,6 +8,7 @@ package is located with ``importlib.util.find_spec``, never imported.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -15,10 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PACKAGE_PREFIX = "package:"
+# What transformers copies from a GGUF file into a model config beyond the architecture: the
+# quantisation record (vLLM refuses ``quant_method: gguf``) and the file's ``general.name``.
+GGUF_CONFIG_KEYS = ("quantization_config", "_model_name_or_path")
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -48,6 +58,18 @@ def _gguf_kwargs(name_or_path: str, gguf_file: str | None) -> dict[str, str]:
     return {"gguf_file": gguf_file}
 
 
+def drop_gguf_config(config: PretrainedConfig) -> PretrainedConfig:
+    """Removes what a GGUF load leaves in ``config`` (see ``GGUF_CONFIG_KEYS``), in place.
+
+    Dequantised weights are ordinary float tensors: the config saved with them (``save_pretrained``,
+    ``rlfleet export``) must describe a plain model, one vLLM and ``from_pretrained`` load as such.
+    """
+    for key in GGUF_CONFIG_KEYS:
+        if key in config.__dict__:
+            delattr(config, key)
+    return config
+
+
 @contextlib.contextmanager
 def _quiet_gguf(gguf_file: str | None) -> Iterator[None]:
     if gguf_file is None:
@@ -70,7 +92,8 @@ def load_model(name_or_path: str, precision: str, gguf_file: str | None = None) 
     """Loads a causal LM in ``precision`` ("float32", "bfloat16" or "float16").
 
     A GGUF file is dequantised by transformers. Such a model refuses ``save_pretrained``, so its weights
-    are copied into a model built from the same config: the result saves and checkpoints like any other.
+    are copied into a model built from the same config, less its GGUF record (``drop_gguf_config``):
+    the result saves and checkpoints like any other, and its saved config names no quantisation.
     """
     path = resolve_model_path(name_or_path)
     with _quiet_gguf(gguf_file):  # transformers draws a de-quantisation progress bar per load
@@ -78,7 +101,8 @@ def load_model(name_or_path: str, precision: str, gguf_file: str | None = None) 
             path, dtype=DTYPES[precision], **_gguf_kwargs(path, gguf_file)
         )
     if gguf_file is not None:
-        plain = AutoModelForCausalLM.from_config(model.config, dtype=DTYPES[precision])
+        config = drop_gguf_config(copy.deepcopy(model.config))
+        plain = AutoModelForCausalLM.from_config(config, dtype=DTYPES[precision])
         plain.load_state_dict(model.state_dict())
         plain.generation_config = model.generation_config
         model = plain

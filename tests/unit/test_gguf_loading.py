@@ -1,0 +1,100 @@
+"""A GGUF-started policy is a plain model: its config, saved or exported, names no GGUF quantisation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from rlfleet.checkpoint import CheckpointManager, export_hf, save_policy
+from rlfleet.models.loading import GGUF_CONFIG_KEYS, load_model
+
+GGUF_FILE = "tiny.gguf"
+VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 32, 64, 2, 4, 2
+
+
+def write_tiny_llama_gguf(path: Path) -> None:
+    """A float32 llama GGUF of a few kilobytes that transformers loads (random weights)."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_context_length(64)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_block_count(LAYERS)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(VOCAB)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
+    writer.add_token_scores([0.0] * VOCAB)
+    writer.add_token_types([1] * VOCAB)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    rng = np.random.default_rng(0)
+    kv_dim = KV_HEADS * HIDDEN // HEADS
+    shapes = {"token_embd.weight": (VOCAB, HIDDEN), "output_norm.weight": (HIDDEN,)}
+    for i in range(LAYERS):
+        shapes |= {
+            f"blk.{i}.attn_norm.weight": (HIDDEN,),
+            f"blk.{i}.ffn_norm.weight": (HIDDEN,),
+            f"blk.{i}.attn_q.weight": (HIDDEN, HIDDEN),
+            f"blk.{i}.attn_k.weight": (kv_dim, HIDDEN),
+            f"blk.{i}.attn_v.weight": (kv_dim, HIDDEN),
+            f"blk.{i}.attn_output.weight": (HIDDEN, HIDDEN),
+            f"blk.{i}.ffn_gate.weight": (FFN, HIDDEN),
+            f"blk.{i}.ffn_up.weight": (FFN, HIDDEN),
+            f"blk.{i}.ffn_down.weight": (HIDDEN, FFN),
+        }
+    for name, shape in shapes.items():
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture
+def gguf_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "gguf_model"
+    path.mkdir()
+    write_tiny_llama_gguf(path / GGUF_FILE)
+    return path
+
+
+def assert_plain(config: dict) -> None:
+    assert not set(GGUF_CONFIG_KEYS) & config.keys(), config
+
+
+def test_gguf_loaded_model_carries_a_plain_config(gguf_dir: Path, tmp_path: Path) -> None:
+    model = load_model(str(gguf_dir), "float32", GGUF_FILE)
+    assert_plain(model.config.to_dict())
+    assert model.config.num_hidden_layers == LAYERS  # the architecture itself is kept
+
+    model.save_pretrained(tmp_path / "saved")
+    assert_plain(json.loads((tmp_path / "saved" / "config.json").read_text()))
+    reloaded = type(model).from_pretrained(tmp_path / "saved")
+    ids = torch.randint(0, VOCAB, (2, 6))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(input_ids=ids).logits, reloaded.eval()(input_ids=ids).logits)
+
+
+def test_export_of_a_gguf_started_checkpoint_writes_a_plain_config(gguf_dir: Path, tmp_path: Path) -> None:
+    model = load_model(str(gguf_dir), "float32", GGUF_FILE)
+    recipe = {"policy": {"model_name": str(gguf_dir), "gguf_file": GGUF_FILE, "precision": "float32"}}
+    manager = CheckpointManager(tmp_path / "ckpt", metric_name=None, higher_is_better=True, keep_top_k=None)
+    step_dir = manager.save(
+        1,
+        config_yaml=yaml.safe_dump(recipe),
+        training_info={},
+        dataloader_state={},
+        write_policy=lambda d: save_policy(d, model, None, None, None),
+    )
+    out = export_hf(step_dir, tmp_path / "export")
+    assert_plain(json.loads((out / "config.json").read_text()))
