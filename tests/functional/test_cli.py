@@ -116,6 +116,21 @@ def test_bad_data_row_is_a_message_with_exit_2_and_no_traceback(capsys, tiny_mod
     assert "Traceback" not in err
 
 
+def test_data_rows_are_checked_before_the_model_loads(capsys, tmp_path: Path) -> None:
+    overrides = [*small_grpo_overrides(tmp_path / "no-such-model", tmp_path), *bad_row_overrides(tmp_path)]
+    code, _, err = run_cli(capsys, "grpo", "grpo-tiny-arithmetic-cpu", *overrides)
+    assert code == 2
+    assert "train.jsonl:2" in err and "no-such-model" not in err
+
+
+def test_a_missing_model_is_a_message_with_exit_2(capsys, tmp_path: Path) -> None:
+    code, _, err = run_cli(
+        capsys, "grpo", "grpo-tiny-arithmetic-cpu", *small_grpo_overrides(tmp_path / "nope", tmp_path)
+    )
+    assert code == 2 and "Traceback" not in err
+    assert "nope" in err and "no such file or directory" in err and "fix:" in err
+
+
 @pytest.mark.parametrize("how", ["--debug", "RLFLEET_DEBUG=1"])
 def test_debug_shows_the_traceback(capsys, monkeypatch, tiny_model_dir: Path, tmp_path, how: str):
     overrides = [*small_grpo_overrides(tiny_model_dir, tmp_path), *bad_row_overrides(tmp_path)]

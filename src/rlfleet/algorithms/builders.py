@@ -16,7 +16,14 @@ from transformers import PreTrainedTokenizerBase
 from rlfleet.config import MasterConfig
 from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.layout import compute_layout
-from rlfleet.data import Prompt, build_prompts, load_prompt_template, load_task, resolve_system_prompt
+from rlfleet.data import (
+    Example,
+    Prompt,
+    build_prompts,
+    load_prompt_template,
+    load_task,
+    resolve_system_prompt,
+)
 from rlfleet.distributed.sharded_worker import ShardingSettings
 from rlfleet.generation import GenerationBackend, HFGenerationBackend
 from rlfleet.models.loading import ModelSource
@@ -136,9 +143,21 @@ class TaskData:
     dropped: int
 
 
-def load_prompts(cfg: MasterConfig, tokenizer: PreTrainedTokenizerBase, max_val_samples: int) -> TaskData:
-    """Loads the task and renders its prompts; too-long prompts are dropped and counted."""
-    train_ex, val_ex = load_task(cfg.data)
+TaskExamples = tuple[list[Example], list[Example]]  # (train, val), as ``load_task`` returns them
+
+
+def load_prompts(
+    cfg: MasterConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    max_val_samples: int,
+    examples: TaskExamples | None = None,
+) -> TaskData:
+    """Renders the task's prompts; too-long prompts are dropped and counted.
+
+    ``examples`` are the task's rows when already read (``load_task(cfg.data)``, which checks every row, is
+    cheap and runs before any model loads); None reads them here.
+    """
+    train_ex, val_ex = examples if examples is not None else load_task(cfg.data)
     system_prompt = resolve_system_prompt(cfg.data)
     template = load_prompt_template(cfg.data)
     budget = prompt_budget(cfg)

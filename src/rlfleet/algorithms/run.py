@@ -17,7 +17,7 @@ from typing import Any
 from rlfleet.algorithms.builders import TaskData, build_policy, build_verifier, load_prompts
 from rlfleet.checkpoint import CheckpointManager
 from rlfleet.config import MasterConfig, config_to_yaml
-from rlfleet.data import ResumableLoader
+from rlfleet.data import ResumableLoader, load_task
 from rlfleet.generation import GenerationBackend
 from rlfleet.logging import MetricsLogger, Progress, format_step_line, plot_run, read_metrics
 from rlfleet.policy.interface import Policy
@@ -108,12 +108,13 @@ def start_run(
     released before the error propagates; once this returns, the context owns it all and :func:`run_loop`
     releases it at the end.
     """
+    examples = load_task(cfg.data)  # every data row checked before anything expensive starts
     with ExitStack() as started:
         policy, backend = build_policy(cfg, seed=seed, keep_reference=keep_reference)
         started.callback(policy.close)
         verifier = build_verifier(cfg)
         started.callback(verifier.close)
-        data = load_prompts(cfg, policy.tokenizer, max_val_samples)
+        data = load_prompts(cfg, policy.tokenizer, max_val_samples, examples)
         ctx = make_context(
             cfg,
             policy,

@@ -24,6 +24,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from rlfleet.errors import UserError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PACKAGE_PREFIX = "package:"
 # What transformers copies from a GGUF file into a model config beyond the architecture: the
@@ -79,10 +81,34 @@ def _quiet_gguf(gguf_file: str | None) -> Iterator[None]:
         yield
 
 
+class ModelLoadError(UserError, OSError):
+    """A model or tokenizer named by the config cannot be loaded (no such directory, hub id out of reach)."""
+
+
+@contextlib.contextmanager
+def _loading(what: str, name_or_path: str) -> Iterator[None]:
+    """Turns transformers' ``OSError`` for an unreachable model into a :class:`ModelLoadError` with a fix."""
+    if name_or_path.startswith(("/", "./", "../", "~")) and not Path(name_or_path).expanduser().exists():
+        raise ModelLoadError(
+            f"cannot load the {what} {name_or_path!r}: no such file or directory; fix: the path of a model "
+            "directory (config.json and weights), a Hugging Face hub id, or package:<python package>"
+        )
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except OSError as exc:
+        raise ModelLoadError(
+            f"cannot load the {what} {name_or_path!r}: {exc}; fix: a local model directory, a Hugging Face "
+            "hub id reachable from here (offline, it must be in the HF cache), or package:<python package>"
+        ) from exc
+
+
 def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
     """Loads a tokenizer and makes sure it can pad (pad = eos when the model defines no pad token)."""
     path = resolve_model_path(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path, **_gguf_kwargs(path, gguf_file))
+    with _loading("tokenizer", name_or_path):
+        tokenizer = AutoTokenizer.from_pretrained(path, **_gguf_kwargs(path, gguf_file))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -96,7 +122,8 @@ def load_model(name_or_path: str, precision: str, gguf_file: str | None = None) 
     the result saves and checkpoints like any other, and its saved config names no quantisation.
     """
     path = resolve_model_path(name_or_path)
-    with _quiet_gguf(gguf_file):  # transformers draws a de-quantisation progress bar per load
+    # transformers draws a de-quantisation progress bar per GGUF load
+    with _loading("model", name_or_path), _quiet_gguf(gguf_file):
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=DTYPES[precision], **_gguf_kwargs(path, gguf_file)
         )
