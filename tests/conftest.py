@@ -13,9 +13,49 @@ import torch
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.data import load_task, render_prompt
 from rlfleet.models.tiny import TinyModelSpec, create_tiny_model, train_tokenizer
+from rlfleet.policy.loss_functions import ClippedPGLossFn
+from rlfleet.policy.worker import OptimizerSettings
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# The seed tutorial's overrides, character for character (REFERENCE.md section 1).
+SEED_COMMAND_LINE = """
+  cluster.num_nodes=2 cluster.gpus_per_node=8 grpo.max_num_steps=300
+  checkpointing.checkpoint_dir=/data/nemo_rl_gemma3_27b_3_17 data.dataset_name=ResponseDataset
+  +data.train_data_path=openai/gsm8k +data.val_data_path=openai/gsm8k +data.val_split=test
+  +data.train_split=train +data.subset="main" +data.input_key="question" +data.output_key="answer"
+  logger.tensorboard_enabled=False logger.wandb_enabled=True logger.wandb.name='nemo_rl_gemma3_27b_3_17'
+  grpo.num_prompts_per_step=16 grpo.num_generations_per_prompt=64 policy.generation.colocated.enabled=False
+  policy.generation.colocated.resources.num_nodes=1 policy.generation.colocated.resources.gpus_per_node=8
+  policy.generation.vllm_cfg.tensor_parallel_size=8 policy.generation.vllm_cfg.gpu_memory_utilization=0.9
+  policy.dtensor_cfg.tensor_parallel_size=8
+"""
+# Optimizer settings of the worker-level tests: no warm-up, clipping at 1.
+TEST_OPTIMIZER = OptimizerSettings(
+    lr=1e-3,
+    weight_decay=0.0,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    warmup_steps=0,
+    warmup_start_factor=1.0,
+    max_grad_norm=1.0,
+)
+
+
+def pg_loss(kl_penalty: float = 0.0) -> ClippedPGLossFn:
+    """The clipped policy-gradient loss of the worker-level tests (clip 0.2 / 0.28, token-level)."""
+    return ClippedPGLossFn(
+        eps_low=0.2,
+        eps_high=0.28,
+        dual_clip_c=None,
+        kl_penalty=kl_penalty,
+        kl_input_clamp=20.0,
+        kl_output_clamp=10.0,
+        token_level=True,
+        importance_sampling_correction=False,
+    )
+
 
 TEST_SPEC = TinyModelSpec(
     hidden_size=32,

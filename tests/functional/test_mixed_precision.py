@@ -27,31 +27,13 @@ from rlfleet.logging import read_metrics
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.build import build_policy_models, compute_autocast, require_master_dtype
-from rlfleet.policy.loss_functions import ClippedPGLossFn
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker, TrainablePolicy
-from tests.conftest import small_grpo_config
+from tests.conftest import TEST_OPTIMIZER as SETTINGS
+from tests.conftest import pg_loss, small_grpo_config
 
 DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"
 BF16 = "policy.precision=bfloat16"
-SETTINGS = OptimizerSettings(
-    lr=1e-3,
-    weight_decay=0.0,
-    betas=(0.9, 0.999),
-    eps=1e-8,
-    warmup_steps=0,
-    warmup_start_factor=1.0,
-    max_grad_norm=1.0,
-)
-LOSS = ClippedPGLossFn(
-    eps_low=0.2,
-    eps_high=0.28,
-    dual_clip_c=None,
-    kl_penalty=0.0,
-    kl_input_clamp=20.0,
-    kl_output_clamp=10.0,
-    token_level=True,
-    importance_sampling_correction=False,
-)
+LOSS = pg_loss()
 
 
 def dense(tensor: torch.Tensor) -> torch.Tensor:

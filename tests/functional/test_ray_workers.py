@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -19,8 +20,8 @@ from rlfleet.distributed.sharded_worker import ShardedPolicyWorker
 from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch, collate
-from rlfleet.policy.loss_functions import ClippedPGLossFn
-from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
+from rlfleet.policy.worker import PolicyWorker
+from tests.conftest import TEST_OPTIMIZER, pg_loss
 
 TIMEOUT_S = 120.0
 
@@ -69,25 +70,8 @@ def test_two_ranks_form_a_gloo_process_group(ray_cluster: None) -> None:
         remove_placement_groups(groups)
 
 
-SETTINGS = OptimizerSettings(
-    lr=1e-3,
-    weight_decay=0.01,
-    betas=(0.9, 0.999),
-    eps=1e-6,
-    warmup_steps=0,
-    warmup_start_factor=1.0,
-    max_grad_norm=1.0,
-)
-LOSS = ClippedPGLossFn(
-    eps_low=0.2,
-    eps_high=0.28,
-    dual_clip_c=None,
-    kl_penalty=0.05,
-    kl_input_clamp=20.0,
-    kl_output_clamp=10.0,
-    token_level=True,
-    importance_sampling_correction=False,
-)
+SETTINGS = dataclasses.replace(TEST_OPTIMIZER, weight_decay=0.01, eps=1e-6)
+LOSS = pg_loss(kl_penalty=0.05)
 
 
 def _batch(worker: PolicyWorker) -> TrainBatch:

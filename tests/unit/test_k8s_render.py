@@ -31,24 +31,13 @@ from rlfleet.deploy.validate import (
     pod_templates,
     validate_documents,
 )
+from tests.conftest import SEED_COMMAND_LINE
 
 REPO = Path(__file__).resolve().parents[2]
 
 GEMMA = "grpo-gemma3-27b-it-2n8g-fsdp2tp8-noncolocated"
-SEED_LINE = """
-  cluster.num_nodes=2 cluster.gpus_per_node=8 grpo.max_num_steps=300
-  checkpointing.checkpoint_dir=/data/nemo_rl_gemma3_27b_3_17 data.dataset_name=ResponseDataset
-  +data.train_data_path=openai/gsm8k +data.val_data_path=openai/gsm8k +data.val_split=test
-  +data.train_split=train +data.subset="main" +data.input_key="question" +data.output_key="answer"
-  logger.tensorboard_enabled=False logger.wandb_enabled=True logger.wandb.name='nemo_rl_gemma3_27b_3_17'
-  grpo.num_prompts_per_step=16 grpo.num_generations_per_prompt=64 policy.generation.colocated.enabled=False
-  policy.generation.colocated.resources.num_nodes=1 policy.generation.colocated.resources.gpus_per_node=8
-  policy.generation.vllm_cfg.tensor_parallel_size=8 policy.generation.vllm_cfg.gpu_memory_utilization=0.9
-  policy.dtensor_cfg.tensor_parallel_size=8
-"""
-"""The seed's overrides, verbatim."""
-SEED_OVERRIDES = SEED_LINE.split()  # quotes kept: what rlfleet gets when the line is quoted once more
-SHELL_OVERRIDES = shlex.split(SEED_LINE)  # quotes removed: what rlfleet gets from a shell
+SEED_OVERRIDES = SEED_COMMAND_LINE.split()  # quotes kept: what rlfleet gets when the line is quoted once more
+SHELL_OVERRIDES = shlex.split(SEED_COMMAND_LINE)  # quotes removed: what rlfleet gets from a shell
 SECRET_VALUES = {
     "HF_TOKEN": "hf_SEEKRIT_value_123456",
     "WANDB_API_KEY": "wandb_SEEKRIT_0123456789abcdef",

@@ -11,20 +11,9 @@ from rlfleet.cli import main
 from rlfleet.config import ConfigError, check_config, load_recipe, resolve_recipe_path, shipped_recipe_names
 from rlfleet.config.layout import compute_layout
 from rlfleet.plan import count_parameters, make_plan
+from tests.conftest import SEED_COMMAND_LINE
 
 SEED = "grpo-gemma3-27b-it-2n8g-fsdp2tp8-noncolocated"
-# The seed tutorial's overrides, character for character (REFERENCE.md section 1).
-SEED_COMMAND_LINE = """
-  cluster.num_nodes=2 cluster.gpus_per_node=8 grpo.max_num_steps=300
-  checkpointing.checkpoint_dir=/data/nemo_rl_gemma3_27b_3_17 data.dataset_name=ResponseDataset
-  +data.train_data_path=openai/gsm8k +data.val_data_path=openai/gsm8k +data.val_split=test
-  +data.train_split=train +data.subset="main" +data.input_key="question" +data.output_key="answer"
-  logger.tensorboard_enabled=False logger.wandb_enabled=True logger.wandb.name='nemo_rl_gemma3_27b_3_17'
-  grpo.num_prompts_per_step=16 grpo.num_generations_per_prompt=64 policy.generation.colocated.enabled=False
-  policy.generation.colocated.resources.num_nodes=1 policy.generation.colocated.resources.gpus_per_node=8
-  policy.generation.vllm_cfg.tensor_parallel_size=8 policy.generation.vllm_cfg.gpu_memory_utilization=0.9
-  policy.dtensor_cfg.tensor_parallel_size=8
-"""
 
 
 def test_every_shipped_recipe_validates() -> None:

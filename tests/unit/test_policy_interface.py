@@ -10,17 +10,8 @@ import pytest
 
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.interface import Policy
-from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
-
-SETTINGS = OptimizerSettings(
-    lr=1e-3,
-    weight_decay=0.0,
-    betas=(0.9, 0.999),
-    eps=1e-8,
-    warmup_steps=0,
-    warmup_start_factor=1.0,
-    max_grad_norm=1.0,
-)
+from rlfleet.policy.worker import PolicyWorker
+from tests.conftest import TEST_OPTIMIZER as SETTINGS
 
 
 def _policies(model_dir: Path) -> dict[str, object]:
