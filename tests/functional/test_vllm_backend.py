@@ -19,6 +19,7 @@ from rlfleet.algorithms.builders import build_worker
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.generation import HFGenerationBackend
 from rlfleet.generation.interface import GenerationResult, SamplingParams
+from rlfleet.generation.sampling import row_seeds
 from rlfleet.generation.vllm import VLLMGenerationBackend, VLLMSettings
 from rlfleet.logging import read_metrics
 from rlfleet.policy.batch import collate
@@ -82,6 +83,17 @@ def test_sampled_logprobs_are_after_temperature(
     assert all(len(r.logprobs) == len(r.token_ids) > 0 for r in results)
     assert _logprob_error(worker, prompts, results, SAMPLED.temperature) < 1e-4
     assert _logprob_error(worker, prompts, results, 1.0) > 1e-2  # the raw softmax is another distribution
+
+
+def test_each_row_depends_on_its_own_seed_only(
+    engine: VLLMGenerationBackend, prompts: list[list[int]]
+) -> None:
+    seeds = row_seeds(9, len(prompts))
+    whole = engine.generate_rows(prompts, SAMPLED, seeds)
+    assert whole == engine.generate(prompts, SAMPLED, seed=9)  # the HF backend's per-row seeds
+    order = [2, 0, 3]
+    alone = engine.generate_rows([prompts[i] for i in order], SAMPLED, [seeds[i] for i in order])
+    assert [r.token_ids for r in alone] == [whole[i].token_ids for i in order]
 
 
 def test_refit_loads_the_trainers_new_weights(
