@@ -75,7 +75,7 @@ def vllm_engine_summary(cfg: MasterConfig) -> str:
     """The vLLM engine of a recipe in one line (dtype, context, weights at start, graphs, extra kwargs)."""
     p = cfg.policy
     v = p.generation.vllm_cfg
-    weights = "random until the first refit" if v.load_format == "dummy" else "the policy's"
+    weights = "dummy, refitted before the first generation" if v.load_format == "dummy" else "the policy's"
     text = (
         f"vLLM ({'async' if v.async_engine else 'sync'}) {v.precision or p.precision}, max_model_len "
         f"{v.max_model_len or p.max_total_sequence_length}, weights at start: {weights}, "
@@ -148,9 +148,10 @@ def format_plan(cfg: MasterConfig, plan: Plan, recipe: str) -> str:
     lines.append(f"  memory per training GPU (sharded over {lay.train_world}; activations excluded):")
     lines += [f"    {name:<30}{gib:8.1f} GiB" for name, gib in mem.items()]
     lines.append(f"    {'total':<30}{sum(mem.values()):8.1f} GiB")
-    gen_weights = plan.parameters * BYTES[p.precision] / lay.gen_tp / GIB
+    gen_precision = (p.generation.vllm_cfg.precision or p.precision) if lay.backend == "vllm" else p.precision
+    gen_weights = plan.parameters * BYTES[gen_precision] / lay.gen_tp / GIB
     lines.append("  memory per generation GPU:")
-    lines.append(f"    {'weights (' + p.precision + ')':<30}{gen_weights:8.1f} GiB")
+    lines.append(f"    {'weights (' + gen_precision + ')':<30}{gen_weights:8.1f} GiB")
     util, ctx = plan.gen_memory_utilization, plan.gen_max_model_len
     lines.append(f"    {'KV cache':<30}the rest of gpu_memory_utilization={util} (max_model_len {ctx})")
     return "\n".join(lines)

@@ -649,11 +649,13 @@ def test_ray_is_used_when_the_layout_needs_more_than_one_process() -> None:
 
 
 def test_vllm_runs_in_one_process_and_is_refused_on_ray_with_a_fix() -> None:
-    from rlfleet.config import ensure_runnable, load_recipe, resolve_recipe_path
+    from rlfleet.config import check_config, ensure_runnable, load_recipe, resolve_recipe_path
 
     path = resolve_recipe_path("grpo-tiny-arithmetic-cpu")
     vllm = ["policy.model_name=x", "policy.generation.backend=vllm"]
     ensure_runnable(load_recipe(path, vllm))  # one process: runnable
+    with pytest.raises(ConfigError, match=r"(?s)1 problem.*vllm_cfg.tensor_parallel_size=2 must divide"):
+        check_config(load_recipe(path, [*vllm, "policy.generation.vllm_cfg.tensor_parallel_size=2"]), "grpo")
     for ray in (["cluster.gpus_per_node=2"], ["cluster.use_ray=true"]):
         with pytest.raises(ConfigError) as err:
             ensure_runnable(load_recipe(path, [*vllm, *ray]))
