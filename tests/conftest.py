@@ -82,6 +82,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+VLLM_TEST_SPEC = replace(TEST_SPEC, hidden_size=64)  # head_dim 32: vLLM's CPU attention has no 16
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with 32-wide attention heads (the narrowest vLLM's CPU kernels take)."""
+    return create_tiny_model(
+        tmp_path_factory.mktemp("tiny_vllm") / "model", _arithmetic_corpus(), VLLM_TEST_SPEC, seed=0
+    )
+
+
 TP_TEST_SPEC = replace(TEST_SPEC, num_key_value_heads=2)
 
 

@@ -38,6 +38,7 @@ class Plan:
     parameters: int | None
     gen_memory_utilization: float
     gen_max_model_len: int
+    gen_engine: str | None  # the vLLM engine's settings in one line; None with the HF backend
 
     def training_memory_gib(self) -> dict[str, float]:
         if self.parameters is None:
@@ -65,8 +66,22 @@ def make_plan(cfg: MasterConfig) -> tuple[Plan, list[str]]:
         parameters=count_parameters(arch) if arch is not None else None,
         gen_memory_utilization=p.generation.vllm_cfg.gpu_memory_utilization,
         gen_max_model_len=p.generation.vllm_cfg.max_model_len or p.max_total_sequence_length,
+        gen_engine=vllm_engine_summary(cfg) if p.generation.backend == "vllm" else None,
     )
     return plan, problems
+
+
+def vllm_engine_summary(cfg: MasterConfig) -> str:
+    """The vLLM engine of a recipe in one line (dtype, context, weights at start, graphs, extra kwargs)."""
+    p = cfg.policy
+    v = p.generation.vllm_cfg
+    weights = "dummy, refitted before the first generation" if v.load_format == "dummy" else "the policy's"
+    text = (
+        f"vLLM ({'async' if v.async_engine else 'sync'}) {v.precision or p.precision}, max_model_len "
+        f"{v.max_model_len or p.max_total_sequence_length}, weights at start: {weights}, "
+        f"{'eager' if v.enforce_eager else 'CUDA graphs on GPU'}, refit after every optimizer step"
+    )
+    return text + (f", vllm_kwargs {sorted(v.vllm_kwargs)}" if v.vllm_kwargs else "")
 
 
 def _gpus(nodes: int, per_node: int) -> str:
@@ -85,6 +100,7 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
         ("cluster", _gpus(lay.num_nodes, lay.gpus_per_node)),
         ("workers", _workers(cfg, lay)),
         ("generation", f"{where}; {lay.backend}, TP {lay.gen_tp} -> {lay.gen_engines} engine(s)"),
+        *([("engine", plan.gen_engine)] if plan.gen_engine else []),
         (
             "training",
             f"{_gpus(lay.train_nodes, lay.train_gpus_per_node)}: TP {lay.train_tp} x DP {lay.train_dp}",
@@ -110,6 +126,8 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
 
 def _workers(cfg: MasterConfig, lay: ResourceLayout) -> str:
     if not uses_ray(cfg):
+        if lay.backend == "vllm":
+            return "this process (no Ray) + its vLLM engine process (holds its own weights)"
         return "this process (no Ray); generation shares the model"
     text = f"Ray: {lay.train_world} training actor(s) in {lay.train_nodes} placement group(s)"
     if lay.colocated:
@@ -130,9 +148,10 @@ def format_plan(cfg: MasterConfig, plan: Plan, recipe: str) -> str:
     lines.append(f"  memory per training GPU (sharded over {lay.train_world}; activations excluded):")
     lines += [f"    {name:<30}{gib:8.1f} GiB" for name, gib in mem.items()]
     lines.append(f"    {'total':<30}{sum(mem.values()):8.1f} GiB")
-    gen_weights = plan.parameters * BYTES[p.precision] / lay.gen_tp / GIB
+    gen_precision = (p.generation.vllm_cfg.precision or p.precision) if lay.backend == "vllm" else p.precision
+    gen_weights = plan.parameters * BYTES[gen_precision] / lay.gen_tp / GIB
     lines.append("  memory per generation GPU:")
-    lines.append(f"    {'weights (' + p.precision + ')':<30}{gen_weights:8.1f} GiB")
+    lines.append(f"    {'weights (' + gen_precision + ')':<30}{gen_weights:8.1f} GiB")
     util, ctx = plan.gen_memory_utilization, plan.gen_max_model_len
     lines.append(f"    {'KV cache':<30}the rest of gpu_memory_utilization={util} (max_model_len {ctx})")
     return "\n".join(lines)

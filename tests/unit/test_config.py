@@ -623,7 +623,8 @@ def test_settings_this_build_cannot_honour_are_refused_not_ignored() -> None:
         (["cluster.gpus_per_node=2", "cluster.use_ray=false"], "cluster.use_ray"),
         (["policy.dtensor_cfg.cpu_offload=true"], "policy.dtensor_cfg.cpu_offload"),
         (["policy.dtensor_cfg.sequence_parallel=true"], "policy.dtensor_cfg.sequence_parallel"),
-        (["policy.generation.backend=vllm"], "policy.generation.backend"),
+        (["policy.generation.backend=vllm", "policy.generation.vllm_cfg.async_engine=true"], "async_engine"),
+        (["policy.generation.backend=vllm", "policy.generation.top_p=0.9"], "top_p=0.9"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(key)):
             ensure_runnable(load_recipe(path, [*base, *overrides]))
@@ -645,3 +646,64 @@ def test_ray_is_used_when_the_layout_needs_more_than_one_process() -> None:
         "cluster.use_ray=null",
     ]
     assert uses_ray(load_recipe(path, dedicated))
+
+
+def test_vllm_runs_in_one_process_and_is_refused_on_ray_with_a_fix() -> None:
+    from rlfleet.config import check_config, ensure_runnable, load_recipe, resolve_recipe_path
+
+    path = resolve_recipe_path("grpo-tiny-arithmetic-cpu")
+    vllm = ["policy.model_name=x", "policy.generation.backend=vllm"]
+    ensure_runnable(load_recipe(path, vllm))  # one process: runnable
+    with pytest.raises(ConfigError, match=r"(?s)1 problem.*vllm_cfg.tensor_parallel_size=2 must divide"):
+        check_config(load_recipe(path, [*vllm, "policy.generation.vllm_cfg.tensor_parallel_size=2"]), "grpo")
+    for ray in (["cluster.gpus_per_node=2"], ["cluster.use_ray=true"]):
+        with pytest.raises(ConfigError) as err:
+            ensure_runnable(load_recipe(path, [*vllm, *ray]))
+        assert str(err.value).count("\n  - ") == 1, str(err.value)  # one clear problem
+        assert "single-process layout" in str(err.value) and "policy.generation.backend=hf" in str(err.value)
+
+
+def test_vllm_max_model_len_below_the_sequence_budget_is_one_error_before_anything_starts() -> None:
+    from rlfleet.config import check_config, load_recipe, resolve_recipe_path
+
+    path = resolve_recipe_path("grpo-tiny-arithmetic-cpu")
+    base = ["policy.model_name=x", "policy.generation.backend=vllm", "policy.max_total_sequence_length=256"]
+    check_config(load_recipe(path, [*base, "policy.generation.vllm_cfg.max_model_len=256"]), "grpo")
+    with pytest.raises(ConfigError) as err:
+        check_config(load_recipe(path, [*base, "policy.generation.vllm_cfg.max_model_len=128"]), "grpo")
+    message = str(err.value)
+    assert "(1 problem(s))" in message
+    assert "max_model_len=128 is shorter than policy.max_total_sequence_length=256" in message
+    assert "fix: policy.generation.vllm_cfg.max_model_len=256" in message
+
+
+def test_vllm_cfg_keys_resolve_into_the_engine_settings() -> None:
+    from rlfleet.algorithms.builders import vllm_settings
+    from rlfleet.config import load_recipe, resolve_recipe_path
+
+    path = resolve_recipe_path("grpo-tiny-arithmetic-cpu")
+    cfg = load_recipe(path, ["policy.model_name=x", "policy.max_total_sequence_length=300"])
+    s = vllm_settings(cfg, seed=7)
+    assert (s.precision, s.max_model_len, s.seed, s.load_format, s.engine_kwargs) == (
+        cfg.policy.precision,
+        300,
+        7,
+        "auto",
+        {},
+    )
+    v = "policy.generation.vllm_cfg"
+    cfg = load_recipe(
+        path,
+        [
+            "policy.model_name=x",
+            f"{v}.precision=bfloat16",
+            f"{v}.max_model_len=1024",
+            f"{v}.load_format=dummy",
+            f"{v}.enforce_eager=true",
+            f"{v}.gpu_memory_utilization=0.3",
+            f"+{v}.vllm_kwargs.swap_space=2",
+        ],
+    )
+    s = vllm_settings(cfg, seed=0)
+    assert (s.precision, s.max_model_len, s.load_format, s.enforce_eager) == ("bfloat16", 1024, "dummy", True)
+    assert (s.gpu_memory_utilization, s.engine_kwargs) == (0.3, {"swap_space": 2})

@@ -155,7 +155,11 @@ def test_each_row_keeps_its_response_however_rows_are_grouped(model: LlamaForCau
         got = responses(batch_size, order)
         for row in rows:
             assert got[row][0] == reference[row][0], (batch_size, row)
-            torch.testing.assert_close(torch.tensor(got[row][1]), torch.tensor(reference[row][1]))
+            # the same tokens; logprobs to float32 noise (padding width changes the attention sums:
+            # 1.4e-5 apart with transformers 5.19)
+            torch.testing.assert_close(
+                torch.tensor(got[row][1]), torch.tensor(reference[row][1]), atol=1e-4, rtol=1e-5
+            )
 
 
 def test_greedy_gives_zero_logprobs_and_restores_training_mode(model: LlamaForCausalLM) -> None:

@@ -25,7 +25,7 @@ from rlfleet.data import (
     resolve_system_prompt,
 )
 from rlfleet.distributed.sharded_worker import ShardingSettings
-from rlfleet.generation import GenerationBackend, HFGenerationBackend
+from rlfleet.generation import GenerationBackend, HFGenerationBackend, VLLMGenerationBackend, VLLMSettings
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.interface import Policy
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
@@ -72,8 +72,31 @@ def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> Polic
     )
 
 
-def build_backend(cfg: MasterConfig, worker: PolicyWorker) -> GenerationBackend:
-    """The configured generation backend, colocated with ``worker``."""
+def vllm_settings(cfg: MasterConfig, seed: int) -> VLLMSettings:
+    """The vLLM engine's settings: ``policy.generation.vllm_cfg`` with its nulls resolved."""
+    p = cfg.policy
+    v = p.generation.vllm_cfg
+    return VLLMSettings(
+        precision=v.precision or p.precision,
+        max_model_len=v.max_model_len or p.max_total_sequence_length,
+        seed=seed,
+        enforce_eager=v.enforce_eager,
+        load_format=v.load_format,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        tensor_parallel_size=v.tensor_parallel_size,
+        engine_kwargs=dict(v.vllm_kwargs),
+    )
+
+
+def build_backend(cfg: MasterConfig, worker: PolicyWorker, *, seed: int) -> GenerationBackend:
+    """The configured generation backend, colocated with ``worker``.
+
+    A vLLM engine is closed with the worker (``worker.close()``), which the loops already call.
+    """
+    if cfg.policy.generation.backend == "vllm":
+        engine = VLLMGenerationBackend(worker.model, worker.tokenizer, vllm_settings(cfg, seed))
+        worker.closers.append(engine.close)
+        return engine
     return HFGenerationBackend(
         worker.model,
         worker.tokenizer,
@@ -89,7 +112,7 @@ def build_policy(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> tuple
     """
     if not uses_ray(cfg):
         worker = build_worker(cfg, seed=seed, keep_reference=keep_reference)
-        return worker, build_backend(cfg, worker)
+        return worker, build_backend(cfg, worker, seed=seed)
     from rlfleet.distributed.ray_policy import RayGeneration, RayPolicy, RayRuntime  # the ray extra
 
     layout, _ = compute_layout(cfg)

