@@ -148,7 +148,7 @@ def test_prev_from_training_forward_equals_a_detached_prev_in_loss_gradient_and_
         )
         loss, metrics = fn(lp, batch, norm)
         loss.backward()
-        results.append((float(loss), lp.grad, metrics))
+        results.append((float(loss.detach()), lp.grad, metrics))
     (loss_a, grad_a, m_a), (loss_b, grad_b, m_b) = results
     assert loss_a == loss_b
     torch.testing.assert_close(grad_b, grad_a, rtol=0, atol=0)
