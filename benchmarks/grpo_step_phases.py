@@ -26,7 +26,9 @@ from rlfleet.logging import read_metrics
 PHASES = ("generation", "reward", "logprobs", "training", "refit", "checkpoint", "total")
 
 
-def phase_table(model: str, steps: int, extra: list[str]) -> tuple[dict[str, float], GRPO]:
+def phase_table(
+    model: str, steps: int, extra: list[str], always_compute_prev: bool = False
+) -> tuple[dict[str, float], GRPO]:
     run_dir = Path(tempfile.mkdtemp(prefix="rlfleet-bench-"))
     overrides = [
         f"policy.model_name={quote_override_value(model)}",
@@ -41,7 +43,8 @@ def phase_table(model: str, steps: int, extra: list[str]) -> tuple[dict[str, flo
         "logger.progress_bar=false",
         *extra,
     ]
-    trainer = GRPO(load_recipe(resolve_recipe_path("grpo-tiny-arithmetic-cpu"), overrides))
+    cfg = load_recipe(resolve_recipe_path("grpo-tiny-arithmetic-cpu"), overrides)
+    trainer = GRPO(cfg, always_compute_prev=always_compute_prev)
     trainer.train()
     records = [r for r in read_metrics(run_dir / "logs") if "timing/total" in r][1:]  # drop warm-up step
     table = {p: statistics.mean(r.get(f"timing/{p}", 0.0) for r in records) for p in PHASES}
@@ -97,9 +100,14 @@ def main() -> None:
     parser.add_argument("--model", default="runs/demo/sft_model", help="model dir (make train creates this)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--always-compute-prev",
+        action="store_true",
+        help="compute the prev logprobs in a separate pass even when the step is one on-policy update",
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    table, trainer = phase_table(args.model, args.steps, args.overrides)
+    table, trainer = phase_table(args.model, args.steps, args.overrides, args.always_compute_prev)
     total = table["total"]
     print(
         f"\nGRPO step phases ({args.steps - 1} steps after warm-up, torch threads={torch.get_num_threads()})"

@@ -179,3 +179,63 @@ def test_kill_between_checkpoint_and_log_line_loses_no_metrics(tiny_model_dir: P
     assert _comparable(read_metrics(tmp_path / "resumed" / "logs")) == _comparable(
         read_metrics(tmp_path / "full" / "logs")
     )
+
+
+ON_POLICY = (
+    "grpo.max_num_steps=1",
+    "grpo.val_at_start=false",
+    "grpo.val_at_end=false",
+    "policy.train_global_batch_size=16",  # the step's 4 x 4 rows: one optimizer step
+    "policy.train_micro_batch_size=4",
+    DENSE,
+)
+
+
+def _count_logprob_passes(trainer: GRPO) -> list[bool]:
+    """Records ``reference`` of every ``worker.logprobs`` call the trainer makes."""
+    worker, calls = trainer.ctx.worker, []
+    original = worker.logprobs
+
+    def counted(*args, reference: bool = False, **kwargs):
+        calls.append(reference)
+        return original(*args, reference=reference, **kwargs)
+
+    worker.logprobs = counted  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize("logprob_batch_size", [4, 16])
+def test_on_policy_step_without_the_prev_pass_gives_the_same_update(
+    tiny_model_dir: Path, tmp_path: Path, logprob_batch_size: int
+) -> None:
+    runs = []
+    for always_compute_prev in (False, True):
+        run_dir = tmp_path / str(always_compute_prev)
+        cfg = small_grpo_config(
+            tiny_model_dir, run_dir, *ON_POLICY, f"policy.logprob_batch_size={logprob_batch_size}"
+        )
+        trainer = GRPO(cfg, always_compute_prev=always_compute_prev)
+        assert trainer.prev_from_training_forward is not always_compute_prev
+        calls = _count_logprob_passes(trainer)
+        trainer.train()
+        assert calls == ([False, True] if always_compute_prev else [True])  # (prev,) reference
+        runs.append((_params(trainer), read_metrics(run_dir / "logs")[-1]))
+    (skipped, m_skipped), (computed, m_computed) = runs
+    for name, value in computed.items():
+        torch.testing.assert_close(skipped[name], value, rtol=0, atol=1e-6, msg=name)
+    for key in ("loss", "kl", "ratio", "clip_fraction", "grad_norm", "gen_logprob_error"):
+        assert m_skipped[f"train/{key}"] == pytest.approx(m_computed[f"train/{key}"], rel=1e-5, abs=1e-7), key
+    assert m_skipped["train/ratio"] == 1.0
+    assert m_skipped["train/reward"] == m_computed["train/reward"]  # the same rollouts
+
+
+def test_no_logprob_pass_at_all_without_kl_penalty(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = small_grpo_config(tiny_model_dir, tmp_path, *ON_POLICY, "loss_fn.reference_policy_kl_penalty=0")
+    trainer = GRPO(cfg)
+    assert not trainer.ctx.worker.has_reference  # the reference is not even built
+    calls = _count_logprob_passes(trainer)
+    trainer.train()
+    assert calls == []
+    last = read_metrics(tmp_path / "logs")[-1]
+    assert last["train/kl"] == 0.0
+    assert 0.0 <= last["train/gen_logprob_error"] < 0.05  # HF generation scores match the training forward

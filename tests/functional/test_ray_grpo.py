@@ -114,3 +114,20 @@ def test_layout_the_cluster_cannot_hold_fails_fast_and_frees_everything(
     while ray.available_resources().get("CPU") != total and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU") == total  # nothing reserved is left behind
+
+
+def test_two_fsdp_workers_without_the_prev_pass_match_one_process_with_it(
+    ray_cluster: None, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    on_policy = [*TWO_STEPS, "policy.train_global_batch_size=16"]  # the step's 4 x 4 rows: one update
+    separate = GRPO(
+        small_grpo_config(tiny_model_dir, tmp_path / "separate", *on_policy), always_compute_prev=True
+    )
+    separate.train()
+    sharded = GRPO(
+        small_grpo_config(tiny_model_dir, tmp_path / "sharded", *on_policy, *RAY, "cluster.gpus_per_node=2")
+    )
+    assert sharded.prev_from_training_forward
+    sharded.train()
+    assert_same_run(comparable(tmp_path / "sharded"), comparable(tmp_path / "separate"))
+    assert read_metrics(tmp_path / "sharded" / "logs")[-1]["train/gen_logprob_error"] > 0

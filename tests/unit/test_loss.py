@@ -127,3 +127,40 @@ def test_aggregate_split_equals_whole():
         parts = sum(aggregate(values[i : i + 2], mask[i : i + 2], norm, token_level) for i in range(0, 6, 2))
         torch.testing.assert_close(whole, parts)
     torch.testing.assert_close(aggregate(values, mask, norm, True), masked_mean(values, mask))
+
+
+def test_prev_from_training_forward_equals_a_detached_prev_in_loss_gradient_and_metrics():
+    logp, _, ref, adv, mask = _random_batch(2)
+    gen = logp + 0.01 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(3), dtype=logp.dtype)
+    norm = Normalizer(float(mask.sum()), 4.0)
+    results = []
+    for reuse in (False, True):
+        fn = ClippedPGLossFn(0.2, 0.2, None, 0.05, 20.0, 10.0, True, True, prev_from_training_forward=reuse)
+        lp = logp.clone().requires_grad_(True)
+        batch = TrainBatch(
+            torch.zeros(4, 7, dtype=torch.long),
+            torch.ones(4, 7, dtype=torch.long),
+            mask,
+            advantages=adv,
+            prev_logprobs=None if reuse else logp.clone(),
+            ref_logprobs=ref,
+            generation_logprobs=gen,
+        )
+        loss, metrics = fn(lp, batch, norm)
+        loss.backward()
+        results.append((float(loss.detach()), lp.grad, metrics))
+    (loss_a, grad_a, m_a), (loss_b, grad_b, m_b) = results
+    assert loss_a == loss_b
+    torch.testing.assert_close(grad_b, grad_a, rtol=0, atol=0)
+    assert m_a == m_b
+    assert m_b["ratio"] == pytest.approx(1.0)
+    expected_error = float(((logp - gen).abs() * mask).sum() / mask.sum())
+    assert m_b["gen_logprob_error"] == pytest.approx(expected_error, rel=1e-12)
+
+
+def test_prev_from_training_forward_refuses_a_batch_that_also_carries_prev():
+    logp, prev, ref, adv, mask = _random_batch()
+    fn = ClippedPGLossFn(0.2, 0.2, None, 0.0, 20.0, 10.0, True, False, prev_from_training_forward=True)
+    batch = TrainBatch(torch.zeros(4, 7, dtype=torch.long), torch.ones(4, 7, dtype=torch.long), mask)
+    with pytest.raises(ValueError, match="one or the other"):
+        fn(logp, batch.with_(advantages=adv, prev_logprobs=prev, ref_logprobs=ref), Normalizer(1.0, 4.0))

@@ -4,6 +4,11 @@ Per step: take ``P`` prompts -> sample ``G`` responses each -> score them -> lea
 each group -> logprobs of the current (``prev``) and reference policies -> clipped policy-gradient updates
 with a k3 KL penalty -> refit the generation weights -> validate / checkpoint / log.
 
+No pass is computed twice: when the step's ``P x G`` rows make exactly one optimizer step
+(``policy.train_global_batch_size``), ``prev`` is the training forward's own logprobs, detached, instead of a
+separate pass (as TRL does); the reference pass runs only with a KL penalty (the reference is not even kept
+without one).
+
 Departures from the DeepSeekMath paper, as in NeMo RL: the baseline leaves the sample itself out, the
 advantage is divided by the group std only where it is non-zero, and the loss is a token-level mean over
 the whole global batch (``loss_fn.token_level_loss``).
@@ -12,6 +17,7 @@ the whole global batch (``loss_fn.token_level_loss``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -68,11 +74,22 @@ class GRPO:
     backend: GenerationBackend
     ctx: RunContext  # the policy (``ctx.worker``), the reward workers, the loader, logger and checkpoints
 
-    def __init__(self, cfg: MasterConfig) -> None:
+    def __init__(self, cfg: MasterConfig, *, always_compute_prev: bool = False) -> None:
+        """Builds (or resumes) the run.
+
+        Args:
+            cfg: The validated recipe.
+            always_compute_prev: Compute the previous-policy logprobs in a separate pass even when the
+                training forward's own would do (to check that the two give the same update).
+        """
         check_config(cfg, "grpo")
         ensure_runnable(cfg)
         self.cfg, g, gen = cfg, cfg.grpo, cfg.policy.generation
         self.loss_fn = loss_from_config(cfg)
+        rows_per_step = g.num_prompts_per_step * g.num_generations_per_prompt
+        self.prev_from_training_forward = (
+            rows_per_step == cfg.policy.train_global_batch_size and not always_compute_prev
+        )
         self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k)
         self.ctx, self.backend, self.data = start_run(
             cfg,
@@ -108,27 +125,27 @@ class GRPO:
         batch = rollout_batch(rollouts, advantages, worker.tokenizer.pad_token_id)
         temperature = p.generation.temperature
         with timer("logprobs"):
-            prev = worker.logprobs(batch, p.logprob_batch_size, temperature=temperature)
-            ref = None
+            prev = ref = None
+            if not self.prev_from_training_forward:
+                prev = worker.logprobs(batch, p.logprob_batch_size, temperature=temperature)
             if worker.has_reference:
                 ref = worker.logprobs(batch, p.logprob_batch_size, reference=True, temperature=temperature)
         batch = batch.with_(prev_logprobs=prev, ref_logprobs=ref)
+        loss_fn = replace(self.loss_fn, prev_from_training_forward=prev is None)
         with timer("training"):
             train = worker.train(
                 batch,
-                self.loss_fn,
+                loss_fn,
                 global_batch_size=p.train_global_batch_size,
                 micro_batch_size=p.train_micro_batch_size,
                 temperature=temperature,
             )
         with timer("refit"):
             self.backend.refit()
-        mismatch = (prev - batch.generation_logprobs).abs() * batch.response_mask
         metrics = rollout_metrics(rollouts, rewards, g.num_generations_per_prompt)
         metrics.update({f"train/{k}": v for k, v in train.items()})
         metrics["train/reward_timeouts"] = scored.num_timeouts
         metrics["train/reward_errors"] = scored.num_errors
-        metrics["train/gen_logprob_error"] = float(mismatch.sum() / batch.response_mask.sum())
         metrics.update(self._throughput(batch, timer.metrics()))
         self._log_samples(rollouts)
         return {**metrics, **timer.metrics()}
@@ -142,7 +159,8 @@ class GRPO:
             "perf/training_tokens_per_s": all_tokens / max(timing["timing/training"], 1e-9),
         }
         out.update(self.backend.take_metrics())
-        passes = 3 if self.ctx.worker.has_reference else 2  # logprobs (+ reference) and the training pass
+        # the training pass, plus the prev and the reference logprob passes where they run
+        passes = 1 + (not self.prev_from_training_forward) + self.ctx.worker.has_reference
         out.update(self.ctx.worker.take_metrics(int(all_tokens * passes)))
         return out
 

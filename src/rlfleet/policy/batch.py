@@ -42,7 +42,7 @@ class TrainBatch:
         width = int(self.attention_mask[start:stop].sum(dim=1).max())
         return TrainBatch(**{f.name: _slice(getattr(self, f.name), start, stop, width) for f in fields(self)})
 
-    def with_(self, **changes: torch.Tensor) -> TrainBatch:
+    def with_(self, **changes: torch.Tensor | None) -> TrainBatch:
         return replace(self, **changes)
 
     def to(self, device: torch.device | str) -> TrainBatch:

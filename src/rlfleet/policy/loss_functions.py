@@ -3,6 +3,9 @@
 A loss function is called as ``loss_fn(logprobs, micro_batch, normalizer) -> (loss, metrics)`` where the
 returned loss is this micro-batch's share of the global loss (see ``rlfleet.policy.loss.aggregate``) and
 ``metrics`` holds *sums* over the micro-batch that the worker adds up and divides at the end.
+
+Metric sums are divided by the global normalisers (``aggregate``), so summed over micro-batches and ranks
+they are global means over the step's response tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +28,16 @@ def _required(value: torch.Tensor | None, name: str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ClippedPGLossFn:
-    """GRPO's loss: clipped policy gradient plus ``kl_penalty`` x k3 KL to the reference policy."""
+    """GRPO's loss: clipped policy gradient plus ``kl_penalty`` x k3 KL to the reference policy.
+
+    ``prev_from_training_forward``: the batch is trained on by exactly one optimizer step, so the policy that
+    produced it is the one being trained: the previous-policy logprobs are this forward's own, detached
+    (``batch.prev_logprobs`` must then be None). The ratio is 1 in value and the gradient of the clipped
+    objective is the policy gradient, as with a separately computed ``prev``, without the extra pass.
+
+    Besides the loss it reports ``gen_logprob_error``, the mean ``|prev - generation logprobs|`` over response
+    tokens, when the batch carries generation logprobs.
+    """
 
     eps_low: float
     eps_high: float
@@ -36,6 +48,7 @@ class ClippedPGLossFn:
     token_level: bool
     importance_sampling_correction: bool
     kl_type: str = "k3"
+    prev_from_training_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.kl_type not in KL_ESTIMATORS:
@@ -45,7 +58,7 @@ class ClippedPGLossFn:
         self, logprobs: torch.Tensor, mb: TrainBatch, norm: Normalizer
     ) -> tuple[torch.Tensor, dict[str, float]]:
         mask = mb.response_mask
-        prev = _required(mb.prev_logprobs, "prev_logprobs")
+        prev = self._prev_logprobs(logprobs, mb)
         adv = _required(mb.advantages, "advantages").unsqueeze(1)  # [B, 1]
         pg, ratio = clipped_pg_loss(logprobs, prev, adv, self.eps_low, self.eps_high, self.dual_clip_c)
         per_token = pg
@@ -66,7 +79,20 @@ class ClippedPGLossFn:
                 "ratio": float(aggregate(ratio, mask, norm, True)),
                 "clip_fraction": float(aggregate(clipped, mask, norm, True)),
             }
+            if mb.generation_logprobs is not None:
+                error = (prev - mb.generation_logprobs).abs()
+                metrics["gen_logprob_error"] = float(aggregate(error, mask, norm, True))
         return loss, metrics
+
+    def _prev_logprobs(self, logprobs: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
+        if not self.prev_from_training_forward:
+            return _required(mb.prev_logprobs, "prev_logprobs")
+        if mb.prev_logprobs is not None:
+            raise ValueError(
+                "prev_from_training_forward takes the previous-policy logprobs from the training forward, "
+                "but the batch also carries prev_logprobs: compute one or the other, not both"
+            )
+        return logprobs.detach()
 
 
 @dataclass(frozen=True)

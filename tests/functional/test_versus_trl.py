@@ -1,0 +1,28 @@
+"""Smoke test of benchmarks/versus_trl.py: both frameworks run the tiny case and the table prints.
+
+Needs TRL (the ``bench`` extra, not part of ``dev``): skipped without it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "versus_trl.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_quick_comparison_prints_both_frameworks_and_the_speed_up() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=230, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")}
+    assert {"rlfleet", "TRL GRPOTrainer"} <= rows
+    assert "speed-up rlfleet / TRL:" in done.stdout
