@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.data import load_task, render_prompt
 from rlfleet.models.tiny import TinyModelSpec, create_tiny_model, train_tokenizer
+from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
 from rlfleet.policy.worker import OptimizerSettings
 
@@ -54,6 +56,21 @@ def pg_loss(kl_penalty: float = 0.0) -> ClippedPGLossFn:
         kl_output_clamp=10.0,
         token_level=True,
         importance_sampling_correction=False,
+    )
+
+
+def worker_batch(worker: Any, noise: float = 0.0) -> TrainBatch:
+    """Four random sequences of different lengths with advantages; the worker's own logprobs as old and
+    reference ones, perturbed by ``noise`` (old + noise, reference - noise) when it is non-zero."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = worker.tokenizer.vocab_size
+    prompts = [torch.randint(3, vocab - 1, (n,), generator=gen).tolist() for n in (5, 3, 6, 4)]
+    responses = [torch.randint(3, vocab - 1, (n,), generator=gen).tolist() for n in (4, 7, 2, 5)]
+    batch = collate(prompts, responses, pad_token_id=0)
+    lp = worker.logprobs(batch, micro_batch_size=4)
+    delta = noise * torch.randn(lp.shape, generator=gen) * batch.response_mask if noise else 0.0
+    return batch.with_(
+        advantages=torch.tensor([1.0, -0.5, 0.7, -1.2]), prev_logprobs=lp + delta, ref_logprobs=lp - delta
     )
 
 

@@ -25,11 +25,10 @@ from rlfleet.distributed.sharded_worker import ShardedPolicyWorker
 from rlfleet.distributed.worker_group import RayWorkerGroup
 from rlfleet.logging import read_metrics
 from rlfleet.models.loading import ModelSource
-from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.build import build_policy_models, compute_autocast, require_master_dtype
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker, TrainablePolicy
 from tests.conftest import TEST_OPTIMIZER as SETTINGS
-from tests.conftest import pg_loss, small_grpo_config
+from tests.conftest import pg_loss, small_grpo_config, worker_batch
 
 DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"
 BF16 = "policy.precision=bfloat16"
@@ -41,17 +40,6 @@ def dense(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()
     return tensor.detach().cpu().clone()
-
-
-def make_batch(worker: TrainablePolicy) -> TrainBatch:
-    """Four sequences of different lengths, with advantages and the worker's own logprobs as old ones."""
-    gen = torch.Generator().manual_seed(0)
-    vocab = worker.tokenizer.vocab_size
-    prompts = [torch.randint(3, vocab - 1, (n,), generator=gen).tolist() for n in (5, 3, 6, 4)]
-    responses = [torch.randint(3, vocab - 1, (n,), generator=gen).tolist() for n in (4, 7, 2, 5)]
-    batch = collate(prompts, responses, pad_token_id=0)
-    lp = worker.logprobs(batch, micro_batch_size=4)
-    return batch.with_(advantages=torch.tensor([1.0, -0.5, 0.7, -1.2]), prev_logprobs=lp, ref_logprobs=lp)
 
 
 @contextlib.contextmanager
@@ -84,7 +72,7 @@ def one_step(worker: TrainablePolicy) -> Step:
     """One optimizer step of ``worker`` on ``make_batch``."""
     # Before any forward pass: FSDP2 leaves the root module's parameters unsharded after one.
     before = {n: dense(p) for n, p in worker.model.named_parameters()}
-    batch = make_batch(worker)
+    batch = worker_batch(worker)
     grads: dict[str, torch.Tensor] = {}
 
     def keep_grads(*_: object) -> None:
@@ -221,7 +209,7 @@ def test_bf16_grpo_runs_on_cpu_with_fp32_master_weights(tiny_model_dir: Path, tm
 def test_two_rank_fsdp_bf16_step_matches_one_process(ray_cluster: None, tiny_model_dir: Path) -> None:
     source = ModelSource(str(tiny_model_dir), "bfloat16")
     single = PolicyWorker(source, SETTINGS, keep_reference=False)
-    batch = make_batch(single)
+    batch = worker_batch(single)
     before = {n: dense(p) for n, p in single.model.named_parameters()}
     expected = single.train(batch, LOSS, global_batch_size=4, micro_batch_size=1)
     groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)

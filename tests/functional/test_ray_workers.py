@@ -19,9 +19,8 @@ from rlfleet.distributed.cluster import (
 from rlfleet.distributed.sharded_worker import ShardedPolicyWorker
 from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError
 from rlfleet.models.loading import ModelSource
-from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.worker import PolicyWorker
-from tests.conftest import TEST_OPTIMIZER, pg_loss
+from tests.conftest import TEST_OPTIMIZER, pg_loss, worker_batch
 
 TIMEOUT_S = 120.0
 
@@ -74,24 +73,10 @@ SETTINGS = dataclasses.replace(TEST_OPTIMIZER, weight_decay=0.01, eps=1e-6)
 LOSS = pg_loss(kl_penalty=0.05)
 
 
-def _batch(worker: PolicyWorker) -> TrainBatch:
-    """Four sequences of different lengths with advantages and perturbed old / reference logprobs."""
-    gen = torch.Generator().manual_seed(0)
-    vocab = worker.tokenizer.vocab_size
-    prompts = [torch.randint(3, vocab - 1, (n,), generator=gen).tolist() for n in (5, 3, 6, 4)]
-    responses = [torch.randint(3, vocab - 1, (n,), generator=gen).tolist() for n in (4, 7, 2, 5)]
-    batch = collate(prompts, responses, pad_token_id=0)
-    lp = worker.logprobs(batch, micro_batch_size=4)
-    noise = 0.05 * torch.randn(lp.shape, generator=gen) * batch.response_mask
-    return batch.with_(
-        advantages=torch.tensor([1.0, -0.5, 0.7, -1.2]), prev_logprobs=lp + noise, ref_logprobs=lp - noise
-    )
-
-
 def test_two_rank_fsdp_step_equals_single_process_step(ray_cluster: None, tiny_model_dir: Path) -> None:
     path = str(tiny_model_dir)
     single = PolicyWorker(ModelSource(path), SETTINGS, keep_reference=False)
-    batch = _batch(single)
+    batch = worker_batch(single, noise=0.05)
     expected_lp = single.logprobs(batch, micro_batch_size=2)
     initial = {name: value.clone() for name, value in single.model.state_dict().items()}
     expected = single.train(batch, LOSS, global_batch_size=4, micro_batch_size=1)
@@ -120,7 +105,7 @@ def test_two_rank_fsdp_step_equals_single_process_step(ray_cluster: None, tiny_m
 
 def test_sharded_checkpoint_round_trip(ray_cluster: None, tiny_model_dir: Path, tmp_path: Path) -> None:
     path = str(tiny_model_dir)
-    batch = _batch(PolicyWorker(ModelSource(path), SETTINGS, keep_reference=False))
+    batch = worker_batch(PolicyWorker(ModelSource(path), SETTINGS, keep_reference=False), noise=0.05)
     groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
     init = {"source": ModelSource(path), "settings": SETTINGS}
     group = RayWorkerGroup(ShardedPolicyWorker, groups, init, TIMEOUT_S)
