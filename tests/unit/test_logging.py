@@ -171,8 +171,10 @@ def test_format_step_line_full() -> None:
     line = format_step_line(12, 100, FULL_METRICS)
     assert line == (
         "step 12/100 | reward 0.438 | acc 0.500 | kl 0.0012 | loss -0.0131 | gnorm 0.82 | tok 4,312 | "
-        "time 3.2s (gen 1.9 rew 0.0 lp 0.3 train 0.9 ckpt 0.0)"
+        "time 3.2s (gen 1.9 rew 0.0 lp 0.3 train 0.9 ckpt 0.0, slowest gen 59%)"
     )
+    with_mfu = format_step_line(12, 100, {**FULL_METRICS, "perf/training_mfu": 0.4123})
+    assert with_mfu == line + " | mfu 41.2%"
     with_val = format_step_line(12, 100, {**FULL_METRICS, "val/accuracy": 0.53})
     assert with_val == line + " | val_acc 0.530"
 

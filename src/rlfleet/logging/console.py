@@ -68,14 +68,27 @@ def _timing_part(metrics: Mapping[str, Any]) -> str | None:
     if total is None and not sub_text:
         return None
     text = "time" if total is None else f"time {total:.1f}s"
+    slowest = _slowest_phase(subs, total)
+    if slowest:
+        sub_text = f"{sub_text}, {slowest}"
     return f"{text} ({sub_text})" if sub_text else text
+
+
+def _slowest_phase(subs: list[tuple[str, float | None]], total: float | None) -> str | None:
+    """``slowest gen 59%``: the phase that took the largest share of the step (where the time goes)."""
+    timed = [(value, label) for label, value in subs if value is not None]
+    if total is None or total <= 0 or len(timed) < 2:
+        return None
+    value, label = max(timed)
+    return f"slowest {label} {100 * value / total:.0f}%"
 
 
 def format_step_line(step: int, total: int, metrics: Mapping[str, float]) -> str:
     """Formats one step's metrics as a single human-readable line.
 
     Example: ``step 12/100 | reward 0.438 | acc 0.500 | kl 0.0012 | loss -0.0131 | gnorm 0.82 |
-    tok 4,312 | time 3.2s (gen 1.9 rew 0.0 lp 0.3 train 0.9 ckpt 0.0) | val_acc 0.530``.
+    tok 4,312 | time 3.2s (gen 1.9 rew 0.0 lp 0.3 train 0.9 ckpt 0.0, slowest gen 59%) | val_acc 0.530``.
+    ``mfu`` (model FLOPs utilisation of the training pass) appears where it is measured (on GPUs).
     Missing (or ``None``) metrics are skipped.
     """
     parts = [f"step {step}/{total}" if total > 0 else f"step {step}"]
@@ -86,6 +99,9 @@ def format_step_line(step: int, total: int, metrics: Mapping[str, float]) -> str
     timing = _timing_part(metrics)
     if timing is not None:
         parts.append(timing)
+    mfu = _get(metrics, "perf/training_mfu")
+    if mfu is not None:
+        parts.append(f"mfu {100 * mfu:.1f}%")
     val_acc = _get(metrics, "val/accuracy")
     if val_acc is not None:
         parts.append(f"val_acc {val_acc:.3f}")
