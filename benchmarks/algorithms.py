@@ -133,7 +133,12 @@ def run_variant(name: str, model: Path, run_dir: Path, steps: int, extra: list[s
     records = read_metrics(Path(cfg.logger.log_dir))
     val = [r["val/accuracy"] for r in records if r.get("val/accuracy") is not None]
     steps_done = [r for r in records if "train/num_tokens" in r]
-    skipped = sum(r.get("train/update_skipped", 0.0) for r in steps_done)
+    skipped = int(sum(r.get("train/update_skipped", 0.0) for r in steps_done))
+    notes = [f"{skipped} update(s) skipped"] if skipped else []
+    if name == "DAPO":
+        filled = int(sum(r["train/dynamic_sampling_filled"] for r in steps_done))
+        rounds = int(sum(r["train/dynamic_sampling_rounds"] for r in steps_done))
+        notes.append(f"{filled}/{len(steps_done)} steps filled, {rounds} generation rounds")
     return Row(
         name,
         before=val[0],
@@ -141,7 +146,7 @@ def run_variant(name: str, model: Path, run_dir: Path, steps: int, extra: list[s
         wall_s=wall,
         tokens=int(sum(r["train/num_tokens"] for r in steps_done)),
         response_length=statistics.mean(r["train/mean_response_length"] for r in steps_done),
-        note=f"{int(skipped)} update(s) skipped" if skipped else "",
+        note="; ".join(notes),
     )
 
 

@@ -9,7 +9,9 @@ on the groups it has and reports ``filled = False``; a step with none skips its 
 Groups are judged on the *unshaped* rewards (as NeMo RL does), so a length penalty alone does not make an
 all-correct group informative. Surplus informative groups of the last round are discarded (not carried
 into the next step), so every step's prompts are exactly the loader batches it consumed and resume stays
-exact.
+exact. Each round takes one loader batch of ``int(num_prompts_per_step * batch_multiplier)`` prompts; a
+step may use several, so ``grpo.max_num_epochs`` bounds the number of steps (at most one epoch's batches
+per epoch) rather than the passes over the data, which the loader continues into the next epoch.
 """
 
 from __future__ import annotations

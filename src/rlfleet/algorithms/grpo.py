@@ -118,7 +118,8 @@ class GRPO:
             rs.overlong_buffer_penalty,
         )
         self.shaping = shaping if rs.enabled else None
-        self.max_rounds = g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1
+        max_rounds = g.dynamic_sampling_max_gen_batches
+        self.max_rounds = max_rounds if g.use_dynamic_sampling else 1
         prompts_per_round = int(g.num_prompts_per_step * g.batch_multiplier)
         self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k)
         self.ctx, self.backend, self.data = start_run(
