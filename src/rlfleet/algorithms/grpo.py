@@ -86,6 +86,11 @@ def rollout_metrics(rollouts: Sequence[Rollout], rewards: torch.Tensor, group_si
     }
 
 
+def skipped_update() -> dict[str, float]:
+    """The metrics of a step that trains on nothing (no informative group, or every row masked)."""
+    return {"train/update_skipped": 1.0, "train/num_tokens": 0}
+
+
 class GRPO:
     """The GRPO trainer: ``GRPO(cfg).train()`` runs (or resumes) the configured job."""
 
@@ -137,27 +142,30 @@ class GRPO:
         g, p = cfg.grpo, cfg.policy
         drawn: list[Rollout] = []
         sampled = self._sample_groups(timer, drawn)
+        self._log_samples(drawn)
         metrics = rollout_metrics(drawn, self._rewards(drawn, raw=True), g.num_generations_per_prompt)
         metrics["train/reward_timeouts"], metrics["train/reward_errors"] = self.reward_problems
         if g.use_dynamic_sampling:
             metrics.update(sampled.metrics())
         rollouts = sampled.samples
+        if not rollouts:  # no group carried a signal: nothing to train on
+            return {**metrics, **skipped_update(), **timer.metrics()}
         rewards = self._rewards(rollouts)
         if self.shaping is not None:
-            metrics["train/shaped_reward"] = float(rewards.mean()) if rollouts else 0.0
+            metrics["train/shaped_reward"] = float(rewards.mean())
         advantages = group_advantages(
             rewards,
             g.num_generations_per_prompt,
             leave_one_out=g.use_leave_one_out_baseline,
             normalize=g.normalize_rewards,
         )
-        batch = rollout_batch(rollouts, advantages, worker.tokenizer.pad_token_id) if rollouts else None
-        if batch is not None and g.overlong_filtering:
+        batch = rollout_batch(rollouts, advantages, worker.tokenizer.pad_token_id)
+        if g.overlong_filtering:
             truncated = torch.tensor([not r.result.finished for r in rollouts])
             batch = batch.with_(response_mask=mask_truncated(batch.response_mask, truncated))
         rows, global_batch = trainable_rows(len(rollouts), p.train_global_batch_size, self.dp_size)
-        if batch is None or rows == 0 or float(batch.response_mask[:rows].sum()) == 0:
-            return {**metrics, "train/update_skipped": 1.0, "train/num_tokens": 0, **timer.metrics()}
+        if rows == 0 or float(batch.response_mask[:rows].sum()) == 0:  # nothing trainable (or all masked)
+            return {**metrics, **skipped_update(), **timer.metrics()}
         batch = batch.select(0, rows) if rows < len(batch) else batch
         prev_from_forward = rows == global_batch and not self.always_compute_prev
         train = self._update(batch, timer, global_batch, prev_from_forward)
@@ -167,7 +175,6 @@ class GRPO:
         metrics["train/update_skipped"] = 0.0
         metrics["train/num_tokens"] = int(batch.attention_mask.sum())
         metrics.update(self._throughput(batch, timer.metrics(), prev_from_forward))
-        self._log_samples(drawn)
         return {**metrics, **timer.metrics()}
 
     def _sample_groups(self, timer: PhaseTimer, drawn: list[Rollout]) -> SampledGroups[Rollout]:
