@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.run import MACHINE_METRICS
 from rlfleet.logging import read_metrics
 from tests.conftest import small_grpo_config
 
@@ -160,3 +161,34 @@ def test_bounded_importance_sampling_trains_and_reports(tiny_model_dir: Path, tm
     (r,) = records
     assert 0.0 <= r["train/is_oob_ratio"] <= 1.0
     assert 0.0 < r["train/sampling_importance_ratio"] < 1.1
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Extra rounds consume loader batches; a run stopped after step 1 and resumed matches an unbroken one."""
+    dapo = (
+        HALF,
+        "grpo.use_dynamic_sampling=true",
+        "grpo.batch_multiplier=1.5",
+        "grpo.dynamic_sampling_max_gen_batches=3",
+        "checkpointing.save_period=1",
+        "grpo.val_period=0",
+    )
+    full = GRPO(small_grpo_config(tiny_model_dir, tmp_path / "full", "grpo.max_num_steps=2", *dapo))
+    full.train()
+    GRPO(small_grpo_config(tiny_model_dir, tmp_path / "cut", "grpo.max_num_steps=1", *dapo)).train()
+    resumed = GRPO(small_grpo_config(tiny_model_dir, tmp_path / "cut", "grpo.max_num_steps=2", *dapo))
+    assert resumed.ctx.step == 1
+    resumed.train()
+    assert resumed.ctx.loader.state_dict() == full.ctx.loader.state_dict()
+    a, b = (
+        [
+            {k: v for k, v in r.items() if not k.startswith(MACHINE_METRICS)}
+            for r in read_metrics(d / "logs")
+            if r["step"] == 2
+        ]
+        for d in (tmp_path / "full", tmp_path / "cut")
+    )
+    assert a == b and a[0]["train/dynamic_sampling_rounds"] >= 1
+    for name, p in _params(full).items():
+        torch.testing.assert_close(_params(resumed)[name], p, rtol=0, atol=0, msg=name)
