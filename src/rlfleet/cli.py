@@ -26,6 +26,7 @@ from rlfleet.config import (
     resolve_recipe_path,
     unsupported_settings,
 )
+from rlfleet.config.describe import describe_algorithm
 from rlfleet.deploy.cli import add_deploy_commands
 from rlfleet.errors import UserError
 
@@ -72,6 +73,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     cfg = _load(args.recipe, args.overrides)
     check_config(cfg, args.algorithm)
     print(config_to_yaml(cfg), end="")
+    if args.algorithm == "grpo":
+        print("# GRPO as configured:", *[f"#   {k}: {v}" for k, v in describe_algorithm(cfg)], sep="\n")
     not_here = unsupported_settings(cfg)
     if not_here:
         print("# valid; this build cannot run it as given yet:", *[f"#   - {p}" for p in not_here], sep="\n")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlfleet.config.capabilities import unsupported_settings, uses_ray
+from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.layout import ResourceLayout, compute_layout
 from rlfleet.config.schema import ArchitectureConfig, MasterConfig
 
@@ -121,6 +122,7 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
             "sequence budget",
             f"{p.max_total_sequence_length} tokens, max_new_tokens {p.generation.max_new_tokens}",
         ),
+        *describe_algorithm(cfg),
     ]
 
 

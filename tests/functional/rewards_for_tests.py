@@ -5,3 +5,17 @@ def digit_fraction_reward(prompt: str, response: str, gold: str) -> float:
     """Fraction of characters that are digits: varies across samples of any model."""
     del prompt, gold
     return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+def digits_for_even_gold_reward(prompt: str, response: str, gold: str) -> float:
+    """``digit_fraction_reward`` for problems whose answer is even, 0 for the others: about half the groups
+    carry a signal and the rest are all equal (DAPO's dynamic sampling drops them)."""
+    if not gold.lstrip("-").isdigit() or int(gold) % 2:
+        return 0.0
+    return digit_fraction_reward(prompt, response, gold)
+
+
+def constant_reward(prompt: str, response: str, gold: str) -> float:
+    """0.5 for everything: no group ever carries a signal."""
+    del prompt, response, gold
+    return 0.5

@@ -12,6 +12,15 @@ without one).
 Departures from the DeepSeekMath paper, as in NeMo RL: the baseline leaves the sample itself out, the
 advantage is divided by the group std only where it is non-zero, and the loss is a token-level mean over
 the whole global batch (``loss_fn.token_level_loss``).
+
+Variants, switched by config: DAPO's dynamic sampling (``grpo.use_dynamic_sampling``, see
+:mod:`rlfleet.algorithms.dynamic_sampling`), overlong reward shaping and filtering (``grpo.reward_shaping``,
+``grpo.overlong_filtering``, see :mod:`rlfleet.algorithms.overlong`), clip-higher
+(``loss_fn.ratio_clip_max``), GSPO (``loss_fn.sequence_level_importance_ratios``), Dr.GRPO
+(``grpo.normalize_rewards=false`` + ``loss_fn.max_length_normalization``) and the bounded
+importance-sampling corrections (``loss_fn.truncated_importance_sampling_*``). A step with fewer rows than
+``P x G`` (dynamic sampling that could not fill) trains on whole global batches of what it has, or on all
+of it in one optimizer step when that is less than a global batch.
 """
 
 from __future__ import annotations
@@ -22,10 +31,13 @@ from dataclasses import replace
 import torch
 
 from rlfleet.algorithms.advantages import group_advantages, zero_variance_fraction
+from rlfleet.algorithms.dynamic_sampling import SampledGroups, collect_informative_groups, trainable_rows
 from rlfleet.algorithms.evaluation import evaluate
+from rlfleet.algorithms.overlong import OverlongShaping, mask_truncated
 from rlfleet.algorithms.rollouts import Rollout, accuracy, generate_rollouts, mean_response_length, score
 from rlfleet.algorithms.run import RunContext, run_loop, start_run, step_seed
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
+from rlfleet.config.layout import compute_layout
 from rlfleet.generation import GenerationBackend, SamplingParams
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
@@ -44,6 +56,7 @@ def rollout_batch(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_tok
 
 def loss_from_config(cfg: MasterConfig) -> ClippedPGLossFn:
     lf = cfg.loss_fn
+    truncation, cap = lf.truncated_importance_sampling_type, lf.truncated_importance_sampling_ratio
     return ClippedPGLossFn(
         eps_low=lf.ratio_clip_min,
         eps_high=lf.ratio_clip_max,
@@ -54,6 +67,11 @@ def loss_from_config(cfg: MasterConfig) -> ClippedPGLossFn:
         kl_output_clamp=lf.kl_output_clamp_value,
         token_level=lf.token_level_loss,
         importance_sampling_correction=lf.use_importance_sampling_correction,
+        truncation="tis" if truncation is None and cap is not None else truncation,
+        truncation_ratio_max=cap,
+        truncation_ratio_min=lf.truncated_importance_sampling_ratio_min,
+        sequence_level_ratios=lf.sequence_level_importance_ratios,
+        max_length=cfg.policy.generation.max_new_tokens if lf.max_length_normalization else None,
     )
 
 
@@ -66,6 +84,11 @@ def rollout_metrics(rollouts: Sequence[Rollout], rewards: torch.Tensor, group_si
         "train/truncated_fraction": sum(not r.result.finished for r in rollouts) / len(rollouts),
         "train/num_tokens": int(sum(len(r.prompt.token_ids) + len(r.result.token_ids) for r in rollouts)),
     }
+
+
+def skipped_update() -> dict[str, float]:
+    """The metrics of a step that trains on nothing (no informative group, or every row masked)."""
+    return {"train/update_skipped": 1.0, "train/num_tokens": 0}
 
 
 class GRPO:
@@ -86,36 +109,50 @@ class GRPO:
         ensure_runnable(cfg)
         self.cfg, g, gen = cfg, cfg.grpo, cfg.policy.generation
         self.loss_fn = loss_from_config(cfg)
+        self.always_compute_prev = always_compute_prev
+        # a full step (P x G rows in one optimizer step) takes prev from the training forward
         rows_per_step = g.num_prompts_per_step * g.num_generations_per_prompt
         self.prev_from_training_forward = (
             rows_per_step == cfg.policy.train_global_batch_size and not always_compute_prev
         )
+        self.dp_size = compute_layout(cfg)[0].train_dp
+        rs = g.reward_shaping
+        shaping = OverlongShaping(
+            rs.max_response_length or gen.max_new_tokens,
+            rs.overlong_buffer_length,
+            rs.overlong_buffer_penalty,
+        )
+        self.shaping = shaping if rs.enabled else None
+        max_rounds = g.dynamic_sampling_max_gen_batches
+        self.max_rounds = max_rounds if g.use_dynamic_sampling else 1
+        prompts_per_round = int(g.num_prompts_per_step * g.batch_multiplier)
         self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k)
         self.ctx, self.backend, self.data = start_run(
             cfg,
             seed=g.seed,
             keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0,
             max_val_samples=g.max_val_samples,
-            batch_size=g.num_prompts_per_step,
+            batch_size=prompts_per_round if g.use_dynamic_sampling else g.num_prompts_per_step,
             max_num_steps=g.max_num_steps,
             max_num_epochs=g.max_num_epochs,
         )
 
     def step(self) -> dict[str, float]:
-        cfg, ctx, worker, timer = self.cfg, self.ctx, self.ctx.worker, PhaseTimer()
+        cfg, worker, timer = self.cfg, self.ctx.worker, PhaseTimer()
         g, p = cfg.grpo, cfg.policy
-        prompts = ctx.loader.next_batch()
-        with timer("generation"):
-            pairs = generate_rollouts(
-                self.backend,
-                prompts,
-                g.num_generations_per_prompt,
-                self.sampling,
-                step_seed(g.seed, ctx.step),
-            )
-        with timer("reward"):
-            rollouts, scored = score(pairs, self.ctx.verifier)
-        rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+        drawn: list[Rollout] = []
+        sampled = self._sample_groups(timer, drawn)
+        self._log_samples(drawn)
+        metrics = rollout_metrics(drawn, self._rewards(drawn, raw=True), g.num_generations_per_prompt)
+        metrics["train/reward_timeouts"], metrics["train/reward_errors"] = self.reward_problems
+        if g.use_dynamic_sampling:
+            metrics.update(sampled.metrics())
+        rollouts = sampled.samples
+        if not rollouts:  # no group carried a signal: nothing to train on
+            return {**metrics, **skipped_update(), **timer.metrics()}
+        rewards = self._rewards(rollouts)
+        if self.shaping is not None:
+            metrics["train/shaped_reward"] = float(rewards.mean())
         advantages = group_advantages(
             rewards,
             g.num_generations_per_prompt,
@@ -123,10 +160,72 @@ class GRPO:
             normalize=g.normalize_rewards,
         )
         batch = rollout_batch(rollouts, advantages, worker.tokenizer.pad_token_id)
+        if g.overlong_filtering:
+            truncated = torch.tensor([not r.result.finished for r in rollouts])
+            batch = batch.with_(response_mask=mask_truncated(batch.response_mask, truncated))
+        rows, global_batch = trainable_rows(len(rollouts), p.train_global_batch_size, self.dp_size)
+        if rows == 0 or float(batch.response_mask[:rows].sum()) == 0:  # nothing trainable (or all masked)
+            return {**metrics, **skipped_update(), **timer.metrics()}
+        batch = batch.select(0, rows) if rows < len(batch) else batch
+        prev_from_forward = rows == global_batch and not self.always_compute_prev
+        train = self._update(batch, timer, global_batch, prev_from_forward)
+        with timer("refit"):
+            self.backend.refit()
+        metrics.update({f"train/{k}": v for k, v in train.items()})
+        metrics["train/update_skipped"] = 0.0
+        metrics["train/num_tokens"] = int(batch.attention_mask.sum())
+        metrics.update(self._throughput(batch, timer.metrics(), prev_from_forward))
+        return {**metrics, **timer.metrics()}
+
+    def _sample_groups(self, timer: PhaseTimer, drawn: list[Rollout]) -> SampledGroups[Rollout]:
+        """This step's scored groups: one round of ``P`` prompts, or DAPO's rounds until ``P`` informative
+        groups (every rollout generated is appended to ``drawn``; reward problems are counted)."""
+        g, ctx = self.cfg.grpo, self.ctx
+        self.reward_problems = [0, 0]
+
+        def draw(round_index: int) -> list[Rollout]:
+            prompts = ctx.loader.next_batch()
+            # round 0 keeps the step's seed of plain GRPO; later rounds get their own (salt 1 is validation)
+            seed = step_seed(g.seed, ctx.step, salt=0 if round_index == 0 else 1 + round_index)
+            with timer("generation"):
+                pairs = generate_rollouts(
+                    self.backend, prompts, g.num_generations_per_prompt, self.sampling, seed
+                )
+            with timer("reward"):
+                rollouts, scored = score(pairs, ctx.verifier)
+            self.reward_problems[0] += scored.num_timeouts
+            self.reward_problems[1] += scored.num_errors
+            drawn.extend(rollouts)
+            return rollouts
+
+        if not g.use_dynamic_sampling:
+            rollouts = draw(0)
+            groups = len(rollouts) // g.num_generations_per_prompt
+            return SampledGroups(rollouts, 1, groups, groups, 0, True)
+        return collect_informative_groups(
+            draw,
+            lambda r: r.reward,
+            group_size=g.num_generations_per_prompt,
+            target_groups=g.num_prompts_per_step,
+            max_rounds=self.max_rounds,
+        )
+
+    def _rewards(self, rollouts: Sequence[Rollout], *, raw: bool = False) -> torch.Tensor:
+        """``[N]`` rewards, with DAPO's overlong penalty when configured (unless ``raw``)."""
+        rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+        if raw or self.shaping is None:
+            return rewards
+        return self.shaping.apply(rewards, torch.tensor([len(r.result.token_ids) for r in rollouts]))
+
+    def _update(
+        self, batch: TrainBatch, timer: PhaseTimer, global_batch: int, prev_from_forward: bool
+    ) -> dict[str, float]:
+        """The logprob passes, then the optimizer steps over ``batch``; the worker's metrics."""
+        p, worker = self.cfg.policy, self.ctx.worker
         temperature = p.generation.temperature
         with timer("logprobs"):
             prev = ref = None
-            if not self.prev_from_training_forward:
+            if not prev_from_forward:
                 prev = worker.logprobs(batch, p.logprob_batch_size, temperature=temperature)
             if worker.has_reference:
                 ref = worker.logprobs(batch, p.logprob_batch_size, reference=True, temperature=temperature)
@@ -136,21 +235,15 @@ class GRPO:
             train = worker.train(
                 batch,
                 loss_fn,
-                global_batch_size=p.train_global_batch_size,
+                global_batch_size=global_batch,
                 micro_batch_size=p.train_micro_batch_size,
                 temperature=temperature,
             )
-        with timer("refit"):
-            self.backend.refit()
-        metrics = rollout_metrics(rollouts, rewards, g.num_generations_per_prompt)
-        metrics.update({f"train/{k}": v for k, v in train.items()})
-        metrics["train/reward_timeouts"] = scored.num_timeouts
-        metrics["train/reward_errors"] = scored.num_errors
-        metrics.update(self._throughput(batch, timer.metrics()))
-        self._log_samples(rollouts)
-        return {**metrics, **timer.metrics()}
+        return train
 
-    def _throughput(self, batch: TrainBatch, timing: dict[str, float]) -> dict[str, float]:
+    def _throughput(
+        self, batch: TrainBatch, timing: dict[str, float], prev_from_forward: bool
+    ) -> dict[str, float]:
         """Tokens per second of each phase, and per worker with its imbalance on Ray."""
         response_tokens = float(batch.response_mask.sum())
         all_tokens = float(batch.attention_mask.sum())
@@ -160,7 +253,7 @@ class GRPO:
         }
         out.update(self.backend.take_metrics())
         # the training pass, plus the prev and the reference logprob passes where they run
-        passes = 1 + (not self.prev_from_training_forward) + self.ctx.worker.has_reference
+        passes = 1 + (not prev_from_forward) + self.ctx.worker.has_reference
         out.update(self.ctx.worker.take_metrics(int(all_tokens * passes)))
         return out
 

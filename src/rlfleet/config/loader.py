@@ -28,6 +28,7 @@ from rlfleet.config.layout import compute_layout
 from rlfleet.config.metric_names import LOGGED_METRICS, normalize_metric_name
 from rlfleet.config.overrides import Override, apply_overrides, parse_override
 from rlfleet.config.schema import MasterConfig
+from rlfleet.config.variant_checks import variant_problems
 
 __all__ = [
     "LOGGED_METRICS",
@@ -466,7 +467,7 @@ def check_config(cfg: MasterConfig, algorithm: Algorithm) -> None:
         )
     problems += _check_batches(cfg, algorithm)
     if algorithm == "grpo":
-        problems += _check_lengths(cfg) + _check_grpo(cfg)
+        problems += _check_lengths(cfg) + _check_grpo(cfg) + variant_problems(cfg)
     problems += _check_metric(cfg, algorithm)
     resource_problems = _check_resources(cfg)
     problems += resource_problems or compute_layout(cfg)[1]

@@ -25,6 +25,21 @@ class Strict(BaseModel):
 # --------------------------------------------------------------------------------------------- algorithms
 
 
+class RewardShapingConfig(Strict):
+    """DAPO's overlong reward shaping (NeMo RL ``grpo.reward_shaping``): a response longer than
+    ``max_response_length - overlong_buffer_length`` tokens loses ``overlong_buffer_penalty`` x the share of
+    the buffer it uses, down to ``-overlong_buffer_penalty`` at ``max_response_length``."""
+
+    enabled: bool = Field(False, description="Apply the overlong penalty to the rewards.")
+    overlong_buffer_length: int = Field(
+        128, ge=1, description="Tokens before the limit where the penalty grows."
+    )
+    overlong_buffer_penalty: float = Field(1.0, ge=0.0, description="Penalty at (and beyond) the limit.")
+    max_response_length: int | None = Field(
+        None, ge=1, description="The response limit; null means policy.generation.max_new_tokens."
+    )
+
+
 class GRPOConfig(Strict):
     num_prompts_per_step: int = Field(8, ge=1, description="Distinct prompts per step.")
     num_generations_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the group size G).")
@@ -38,6 +53,27 @@ class GRPOConfig(Strict):
     max_val_samples: int = Field(256, ge=1, description="Validation prompts used (first N).")
     val_greedy: bool = Field(True, description="Greedy decoding for validation (else the train sampler).")
     seed: int = Field(42, description="Seeds data order, generation sampling and initialisation.")
+    use_dynamic_sampling: bool = Field(
+        False,
+        description="DAPO dynamic sampling: drop groups whose rewards are all equal and keep drawing prompts "
+        "until the step has num_prompts_per_step informative groups (or dynamic_sampling_max_gen_batches "
+        "rounds were used; the step then trains on what it has).",
+    )
+    dynamic_sampling_max_gen_batches: int = Field(
+        10, ge=1, description="Most generation rounds a dynamic-sampling step may use (never loops forever)."
+    )
+    batch_multiplier: float = Field(
+        1.0,
+        ge=1.0,
+        description="Each dynamic-sampling round draws int(num_prompts_per_step * batch_multiplier) prompts "
+        "(1.0 without dynamic sampling).",
+    )
+    overlong_filtering: bool = Field(
+        False,
+        description="Mask truncated responses (no EOS within max_new_tokens) out of the loss; they still "
+        "count in their group's baseline.",
+    )
+    reward_shaping: RewardShapingConfig = RewardShapingConfig()
 
 
 class SFTConfig(Strict):
@@ -65,6 +101,32 @@ class LossConfig(Strict):
     token_level_loss: bool = Field(True, description="Mean over all tokens of the batch (else per sequence).")
     use_importance_sampling_correction: bool = Field(
         False, description="Weight by pi_prev / pi_sampler using the generation backend's logprobs."
+    )
+    truncated_importance_sampling_ratio: float | None = Field(
+        None,
+        gt=0.0,
+        description="Bound on the correction's weights: the cap (tis) or the band's upper end (icepop, "
+        "seq-mask-tis). Set alone, it truncates (tis), as older NeMo RL recipes mean.",
+    )
+    truncated_importance_sampling_ratio_min: float | None = Field(
+        None, gt=0.0, description="The band's lower end (icepop, seq-mask-tis)."
+    )
+    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = Field(
+        None,
+        description="tis: min(w, cap); icepop: tokens with w outside [min, max] get weight 0; seq-mask-tis: "
+        "sequences whose geometric-mean w is outside [min, max] get weight 0. Null: tis when "
+        "truncated_importance_sampling_ratio is set, else untruncated.",
+    )
+    sequence_level_importance_ratios: bool = Field(
+        False,
+        description="GSPO: one ratio per sequence, the geometric mean of its token ratios, clipped by "
+        "ratio_clip_min/max (GSPO uses ~3e-4/4e-4); needs token_level_loss=false.",
+    )
+    max_length_normalization: bool = Field(
+        False,
+        description="Dr.GRPO: sum each response's token losses and divide by "
+        "policy.generation.max_new_tokens (a constant) instead of its own length; needs "
+        "token_level_loss=false (pair with grpo.normalize_rewards=false).",
     )
 
 

@@ -12,6 +12,13 @@ unless stated. Following NeMo RL, for token ``t`` of response ``i``::
 and the batch loss is either a token-level mean over every valid token of the *global* batch or a mean of
 per-sequence means. ``aggregate`` takes the global normalisers so that micro-batching with gradient
 accumulation (and, later, data parallelism) gives the same gradient as one big batch.
+
+Variants (chosen by config at the edge, in :mod:`rlfleet.policy.loss_functions`):
+
+- GSPO (Zheng et al. 2025): one ratio per sequence, ``s_i = exp(mean_t(logp - prev_logp))`` (the geometric
+  mean of the token ratios), clipped like the token ratio (:func:`gspo_loss`).
+- Dr.GRPO (Liu et al. 2025): each sequence's token losses are summed and divided by a constant length
+  instead of the sequence's own length (:func:`aggregate_max_length`), removing the length bias.
 """
 
 from __future__ import annotations
@@ -68,13 +75,59 @@ def clipped_pg_loss(
         ``(loss [B, T], ratio [B, T])``.
     """
     ratio = torch.exp(logprobs - prev_logprobs)
+    return clipped_surrogate(ratio, advantages, eps_low, eps_high, dual_clip_c), ratio
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: float | None = None,
+) -> torch.Tensor:
+    """``max(-A r, -A clamp(r, 1 - eps_low, 1 + eps_high))``, capped at ``-c A`` where ``A < 0`` (dual clip).
+
+    ``ratio`` is ``[B, T]`` (token ratios) or ``[B, 1]`` (sequence ratios); broadcasts with ``advantages``.
+    """
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(unclipped, clipped)
     if dual_clip_c is not None:
         capped = torch.minimum(loss, -advantages * dual_clip_c)
         loss = torch.where(advantages < 0, capped, loss)
-    return loss, ratio
+    return loss
+
+
+def sequence_ratio(logprobs: torch.Tensor, prev_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's ``[B, 1]`` sequence ratio ``exp(mean over response tokens of (logp - prev_logp))``.
+
+    The geometric mean of the token ratios, length-normalised; 1 for a row without response tokens.
+    """
+    log_ratio = ((logprobs - prev_logprobs) * mask).sum(dim=1, keepdim=True)
+    return torch.exp(log_ratio / mask.sum(dim=1, keepdim=True).clamp(min=1.0))
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    prev_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO: the clipped surrogate on the sequence ratio, broadcast over the response tokens.
+
+    Every token of sequence ``i`` carries the same loss value ``L_i``, so a per-sequence mean
+    (``token_level=False``) gives GSPO's sequence objective; the gradient flows through every token of
+    the sequence via the mean log ratio. GSPO clips far tighter than GRPO (the paper: 3e-4 / 4e-4).
+
+    Returns:
+        ``(loss [B, T], ratio [B, T])``, the sequence ratio repeated over the tokens.
+    """
+    ratio = sequence_ratio(logprobs, prev_logprobs, mask)  # [B, 1]
+    loss = clipped_surrogate(ratio, advantages, eps_low, eps_high, dual_clip_c)
+    return loss.expand_as(logprobs), ratio.expand_as(logprobs)
 
 
 @dataclass(frozen=True)
@@ -98,3 +151,15 @@ def aggregate(
         return masked_sum(per_token, mask) / max(norm.num_tokens, 1.0)
     per_seq = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
     return per_seq.sum() / max(norm.num_sequences, 1.0)
+
+
+def aggregate_max_length(
+    per_token: torch.Tensor, mask: torch.Tensor, norm: Normalizer, max_length: int
+) -> torch.Tensor:
+    """Dr.GRPO's constant normaliser: ``sum(per_token * mask) / (norm.num_sequences * max_length)``.
+
+    Each sequence's token losses are summed and divided by the same ``max_length`` (the generation budget),
+    then averaged over the global batch's sequences, so no sequence's tokens weigh more for being short.
+    Summed over the micro-batches of a step it equals the whole batch's value.
+    """
+    return masked_sum(per_token, mask) / (max(norm.num_sequences, 1.0) * max_length)

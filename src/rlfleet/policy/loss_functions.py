@@ -15,7 +15,20 @@ from dataclasses import dataclass
 import torch
 
 from rlfleet.policy.batch import TrainBatch
-from rlfleet.policy.loss import Normalizer, aggregate, clipped_pg_loss, kl_k3
+from rlfleet.policy.importance_sampling import (
+    TRUNCATION_TYPES,
+    ImportanceWeights,
+    TruncationType,
+    importance_weights,
+)
+from rlfleet.policy.loss import (
+    Normalizer,
+    aggregate,
+    aggregate_max_length,
+    clipped_pg_loss,
+    gspo_loss,
+    kl_k3,
+)
 
 KL_ESTIMATORS = {"k3": kl_k3}
 
@@ -35,8 +48,16 @@ class ClippedPGLossFn:
     (``batch.prev_logprobs`` must then be None). The ratio is 1 in value and the gradient of the clipped
     objective is the policy gradient, as with a separately computed ``prev``, without the extra pass.
 
+    Variants, each a pure function of :mod:`rlfleet.policy.loss` / :mod:`rlfleet.policy.importance_sampling`:
+    ``sequence_level_ratios`` (GSPO: one ratio per sequence, needs ``token_level=False``),
+    ``max_length`` (Dr.GRPO: token sums divided by a constant length, needs ``token_level=False``), and the
+    importance-sampling correction (``importance_sampling_correction``) bounded by ``truncation``
+    (``tis``/``icepop``/``seq-mask-tis``, see :func:`~rlfleet.policy.importance_sampling.importance_weights`).
+
     Besides the loss it reports ``gen_logprob_error``, the mean ``|prev - generation logprobs|`` over response
-    tokens, when the batch carries generation logprobs.
+    tokens, when the batch carries generation logprobs; with the correction, ``sampling_importance_ratio``
+    (the mean weight applied) and, with a bound, ``is_oob_ratio`` (the share of tokens, or for
+    ``seq-mask-tis`` of sequences, the bound truncated or masked) under NeMo RL's names.
     """
 
     eps_low: float
@@ -49,10 +70,28 @@ class ClippedPGLossFn:
     importance_sampling_correction: bool
     kl_type: str = "k3"
     prev_from_training_forward: bool = False
+    truncation: TruncationType | None = None
+    truncation_ratio_max: float | None = None
+    truncation_ratio_min: float | None = None
+    sequence_level_ratios: bool = False
+    max_length: int | None = None
 
     def __post_init__(self) -> None:
         if self.kl_type not in KL_ESTIMATORS:
             raise ValueError(f"unknown KL estimator {self.kl_type!r}; choose one of {sorted(KL_ESTIMATORS)}")
+        if self.truncation is not None and not self.importance_sampling_correction:
+            raise ValueError(
+                f"truncation {self.truncation!r} bounds the importance-sampling correction, which is off"
+            )
+        if self.truncation is not None and self.truncation not in TRUNCATION_TYPES:
+            raise ValueError(f"unknown truncation {self.truncation!r}; choose one of {TRUNCATION_TYPES}")
+        if (self.sequence_level_ratios or self.max_length is not None) and self.token_level:
+            raise ValueError(
+                "sequence-level ratios (GSPO) and the constant normaliser (Dr.GRPO) aggregate "
+                "per sequence: token_level must be False"
+            )
+        if self.sequence_level_ratios and self.max_length is not None:
+            raise ValueError("GSPO's sequence ratios and Dr.GRPO's constant normaliser do not combine")
 
     def __call__(
         self, logprobs: torch.Tensor, mb: TrainBatch, norm: Normalizer
@@ -60,20 +99,24 @@ class ClippedPGLossFn:
         mask = mb.response_mask
         prev = self._prev_logprobs(logprobs, mb)
         adv = _required(mb.advantages, "advantages").unsqueeze(1)  # [B, 1]
-        pg, ratio = clipped_pg_loss(logprobs, prev, adv, self.eps_low, self.eps_high, self.dual_clip_c)
-        per_token = pg
+        if self.sequence_level_ratios:
+            pg, ratio = gspo_loss(logprobs, prev, adv, mask, self.eps_low, self.eps_high, self.dual_clip_c)
+        else:
+            pg, ratio = clipped_pg_loss(logprobs, prev, adv, self.eps_low, self.eps_high, self.dual_clip_c)
+        per_token, metrics = pg, {}
         if self.importance_sampling_correction:
-            gen = _required(mb.generation_logprobs, "generation_logprobs")
-            per_token = per_token * torch.exp(prev - gen).detach()
+            is_weights = self._importance_weights(prev, mb)
+            per_token = per_token * is_weights.weights
+            metrics = _importance_metrics(is_weights, mask, norm)
         kl = torch.zeros_like(logprobs)
         if self.kl_penalty > 0:
             ref = _required(mb.ref_logprobs, "ref_logprobs")
             kl = KL_ESTIMATORS[self.kl_type](logprobs, ref, self.kl_input_clamp, self.kl_output_clamp)
             per_token = per_token + self.kl_penalty * kl
-        loss = aggregate(per_token, mask, norm, self.token_level)
+        loss = self._aggregate(per_token, mask, norm)
         with torch.no_grad():
             clipped = ((ratio < 1 - self.eps_low) | (ratio > 1 + self.eps_high)).float()
-            metrics = {
+            metrics |= {
                 "loss": float(loss.detach()),
                 "kl": float(aggregate(kl, mask, norm, True)),
                 "ratio": float(aggregate(ratio, mask, norm, True)),
@@ -84,6 +127,22 @@ class ClippedPGLossFn:
                 metrics["gen_logprob_error"] = float(aggregate(error, mask, norm, True))
         return loss, metrics
 
+    def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, norm: Normalizer) -> torch.Tensor:
+        if self.max_length is not None:
+            return aggregate_max_length(per_token, mask, norm, self.max_length)
+        return aggregate(per_token, mask, norm, self.token_level)
+
+    def _importance_weights(self, prev: torch.Tensor, mb: TrainBatch) -> ImportanceWeights:
+        return importance_weights(
+            prev.detach(),
+            _required(mb.generation_logprobs, "generation_logprobs"),
+            mb.response_mask,
+            sequence_level=self.sequence_level_ratios,
+            truncation=self.truncation,
+            ratio_max=self.truncation_ratio_max,
+            ratio_min=self.truncation_ratio_min,
+        )
+
     def _prev_logprobs(self, logprobs: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
         if not self.prev_from_training_forward:
             return _required(mb.prev_logprobs, "prev_logprobs")
@@ -93,6 +152,21 @@ class ClippedPGLossFn:
                 "but the batch also carries prev_logprobs: compute one or the other, not both"
             )
         return logprobs.detach()
+
+
+def _importance_metrics(w: ImportanceWeights, mask: torch.Tensor, norm: Normalizer) -> dict[str, float]:
+    """Mean weight over response tokens and, with a bound, the share of tokens (or sequences) it hit."""
+    with torch.no_grad():
+        metrics = {"sampling_importance_ratio": float(aggregate(w.weights.expand_as(mask), mask, norm, True))}
+        if w.out_of_band is None:
+            return metrics
+        if w.out_of_band.ndim == 1:  # sequences masked: share of the global batch's sequences
+            has_tokens = (mask.sum(dim=1) > 0).to(mask.dtype)
+            share = (w.out_of_band * has_tokens).sum() / max(norm.num_sequences, 1.0)
+        else:
+            share = aggregate(w.out_of_band.expand_as(mask), mask, norm, True)
+        metrics["is_oob_ratio"] = float(share)
+        return metrics
 
 
 @dataclass(frozen=True)

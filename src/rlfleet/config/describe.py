@@ -1,0 +1,77 @@
+"""The algorithm a recipe configures, in a few words per part: what ``rlfleet plan`` and ``rlfleet validate``
+print, so the variant a recipe selects (GRPO, DAPO, Dr.GRPO, GSPO, importance-sampling bounds) is visible
+before anything runs."""
+
+from __future__ import annotations
+
+from rlfleet.config.schema import MasterConfig
+
+
+def _loss(cfg: MasterConfig) -> str:
+    lf = cfg.loss_fn
+    if lf.sequence_level_importance_ratios:
+        ratio = "sequence ratio (GSPO: geometric mean of token ratios)"
+    else:
+        ratio = "token ratio"
+    clip = f"clipped to [{1 - lf.ratio_clip_min:g}, {1 + lf.ratio_clip_max:g}]"
+    if lf.ratio_clip_c is not None:
+        clip += f", dual clip c={lf.ratio_clip_c:g}"
+    if lf.max_length_normalization:
+        agg = f"token sums / {cfg.policy.generation.max_new_tokens} (Dr.GRPO constant), mean over sequences"
+    elif lf.token_level_loss:
+        agg = "mean over the global batch's tokens"
+    else:
+        agg = "mean of per-sequence means"
+    kl = f"k3 KL x {lf.reference_policy_kl_penalty:g}" if lf.reference_policy_kl_penalty > 0 else "no KL"
+    return f"{ratio} {clip}; {agg}; {kl}"
+
+
+def _importance_sampling(cfg: MasterConfig) -> str:
+    lf = cfg.loss_fn
+    if not lf.use_importance_sampling_correction:
+        return "off"
+    level = "per sequence" if lf.sequence_level_importance_ratios else "per token"
+    kind, high, low = (
+        lf.truncated_importance_sampling_type,
+        lf.truncated_importance_sampling_ratio,
+        lf.truncated_importance_sampling_ratio_min,
+    )
+    if kind is None and high is None:
+        return f"pi_prev / pi_gen {level}, untruncated"
+    if kind in (None, "tis"):
+        return f"pi_prev / pi_gen {level}, truncated at {high:g} (tis)"
+    unit = "tokens" if kind == "icepop" else "sequences (geometric mean)"
+    return f"pi_prev / pi_gen {level}, {unit} outside [{low:g}, {high:g}] masked ({kind})"
+
+
+def _sampling(cfg: MasterConfig) -> str:
+    g = cfg.grpo
+    parts = [
+        "leave-one-out baseline" if g.use_leave_one_out_baseline else "group-mean baseline",
+        "advantages / group std" if g.normalize_rewards else "no std normalisation",
+    ]
+    if g.use_dynamic_sampling:
+        per_round = int(g.num_prompts_per_step * g.batch_multiplier)
+        parts.append(
+            f"dynamic sampling: {per_round} prompts per round, up to {g.dynamic_sampling_max_gen_batches} "
+            f"rounds for {g.num_prompts_per_step} informative groups"
+        )
+    rs = g.reward_shaping
+    if rs.enabled:
+        limit = rs.max_response_length or cfg.policy.generation.max_new_tokens
+        parts.append(
+            f"overlong penalty up to {rs.overlong_buffer_penalty:g} over tokens "
+            f"{limit - rs.overlong_buffer_length}..{limit}"
+        )
+    if g.overlong_filtering:
+        parts.append("truncated responses masked from the loss")
+    return "; ".join(parts)
+
+
+def describe_algorithm(cfg: MasterConfig) -> list[tuple[str, str]]:
+    """``(label, text)`` rows: the GRPO objective, the importance-sampling correction, the sampling."""
+    return [
+        ("loss", _loss(cfg)),
+        ("IS correction", _importance_sampling(cfg)),
+        ("advantages", _sampling(cfg)),
+    ]

@@ -1,0 +1,149 @@
+"""The loss and sampling variants' keys: NeMo RL names, cross-field errors naming key and fix, and the
+summary ``rlfleet validate``/``plan`` print."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlfleet.cli import main
+from rlfleet.config import ConfigError, apply_overrides, check_config, validate_config
+from rlfleet.config.describe import describe_algorithm
+from tests.unit.test_config import good_raw
+
+
+def _check(*overrides: str) -> None:
+    check_config(validate_config(apply_overrides(good_raw(), list(overrides))), "grpo")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [
+            "loss_fn.use_importance_sampling_correction=true",
+            "loss_fn.truncated_importance_sampling_ratio=2.0",
+        ],
+        [
+            "loss_fn.use_importance_sampling_correction=true",
+            "loss_fn.truncated_importance_sampling_type=icepop",
+            "loss_fn.truncated_importance_sampling_ratio=5.0",
+            "loss_fn.truncated_importance_sampling_ratio_min=0.5",
+        ],
+        ["loss_fn.sequence_level_importance_ratios=true", "loss_fn.token_level_loss=false"],
+        [
+            "loss_fn.max_length_normalization=true",
+            "loss_fn.token_level_loss=false",
+            "grpo.normalize_rewards=false",
+        ],
+        [
+            "grpo.use_dynamic_sampling=true",
+            "grpo.batch_multiplier=1.5",
+            "grpo.dynamic_sampling_max_gen_batches=3",
+            "grpo.reward_shaping.enabled=true",
+            "grpo.reward_shaping.overlong_buffer_length=16",
+            "grpo.overlong_filtering=true",
+        ],
+    ],
+)
+def test_coherent_variant_configs_pass(overrides: list[str]) -> None:
+    _check(*overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (
+            ["loss_fn.truncated_importance_sampling_ratio=2.0"],
+            "but loss_fn.use_importance_sampling_correction=false, so they would be ignored; fix: "
+            "loss_fn.use_importance_sampling_correction=true",
+        ),
+        (
+            [
+                "loss_fn.use_importance_sampling_correction=true",
+                "loss_fn.truncated_importance_sampling_type=tis",
+            ],
+            "needs loss_fn.truncated_importance_sampling_ratio",
+        ),
+        (
+            [
+                "loss_fn.use_importance_sampling_correction=true",
+                "loss_fn.truncated_importance_sampling_type=icepop",
+                "loss_fn.truncated_importance_sampling_ratio=5",
+            ],
+            "set loss_fn.truncated_importance_sampling_ratio_min",
+        ),
+        (
+            [
+                "loss_fn.use_importance_sampling_correction=true",
+                "loss_fn.truncated_importance_sampling_ratio=2",
+                "loss_fn.truncated_importance_sampling_ratio_min=0.5",
+            ],
+            "is used only by icepop and seq-mask-tis",
+        ),
+        (
+            [
+                "loss_fn.use_importance_sampling_correction=true",
+                "loss_fn.truncated_importance_sampling_type=icepop",
+                "loss_fn.truncated_importance_sampling_ratio=0.5",
+                "loss_fn.truncated_importance_sampling_ratio_min=2",
+            ],
+            "must be < loss_fn.truncated_importance_sampling_ratio=0.5",
+        ),
+        (["loss_fn.sequence_level_importance_ratios=true"], "fix: loss_fn.token_level_loss=false"),
+        (["loss_fn.max_length_normalization=true"], "fix: loss_fn.token_level_loss=false"),
+        (["grpo.batch_multiplier=2"], "fix: grpo.use_dynamic_sampling=true or grpo.batch_multiplier=1"),
+        (
+            ["grpo.reward_shaping.enabled=true", "grpo.reward_shaping.overlong_buffer_length=100"],
+            "overlong_buffer_length=100 exceeds the response limit 64",
+        ),
+        (
+            ["grpo.reward_shaping.enabled=true", "grpo.reward_shaping.max_response_length=512"],
+            "so it would never apply",
+        ),
+    ],
+)
+def test_incoherent_variant_configs_name_the_key_and_the_fix(overrides: list[str], fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        _check(*overrides)
+    assert fragment in str(err.value)
+
+
+def test_nemo_rl_type_names_are_the_only_ones_accepted() -> None:
+    with pytest.raises(ConfigError, match="truncated_importance_sampling_type"):
+        validate_config(apply_overrides(good_raw(), ["loss_fn.truncated_importance_sampling_type=clip"]))
+    with pytest.raises(ConfigError, match="batch_multiplier"):
+        validate_config(apply_overrides(good_raw(), ["grpo.batch_multiplier=0.5"]))
+
+
+def test_summary_names_each_variant() -> None:
+    def summary(*overrides: str) -> str:
+        return str(describe_algorithm(validate_config(apply_overrides(good_raw(), list(overrides)))))
+
+    assert "token ratio clipped to [0.8, 1.2]" in summary() and "IS correction', 'off'" in summary()
+    gspo = summary("loss_fn.sequence_level_importance_ratios=true", "loss_fn.ratio_clip_min=3e-4")
+    assert "sequence ratio (GSPO" in gspo and "0.9997" in gspo
+    assert "token sums / 64 (Dr.GRPO" in summary("loss_fn.max_length_normalization=true")
+    assert "truncated at 2 (tis)" in summary(
+        "loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_ratio=2"
+    )
+    dapo = summary(
+        "grpo.use_dynamic_sampling=true",
+        "grpo.batch_multiplier=2",
+        "grpo.reward_shaping.enabled=true",
+        "grpo.reward_shaping.overlong_buffer_length=16",
+        "grpo.overlong_filtering=true",
+    )
+    assert "16 prompts per round, up to 10 rounds for 8 informative groups" in dapo
+    assert "overlong penalty up to 1 over tokens 48..64" in dapo and "truncated responses masked" in dapo
+
+
+def test_validate_prints_the_configured_variant(capsys) -> None:
+    args = [
+        "policy.model_name=x",
+        "loss_fn.sequence_level_importance_ratios=true",
+        "loss_fn.token_level_loss=false",
+    ]
+    assert main(["validate", "grpo-tiny-arithmetic-cpu", *args]) == 0
+    out = capsys.readouterr().out
+    assert "sequence_level_importance_ratios: true" in out and "#   loss: sequence ratio (GSPO" in out
+    assert main(["plan", "grpo-tiny-arithmetic-cpu", *args]) == 0
+    assert "sequence ratio (GSPO" in capsys.readouterr().out
