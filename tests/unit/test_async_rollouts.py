@@ -21,8 +21,10 @@ def test_collection_runs_beside_the_caller() -> None:
     prefetcher.submit(collect, version=3, for_step=4)
     assert started.wait(10) and prefetcher.pending  # collecting while this thread goes on ("training")
     release.set()
-    assert prefetcher.take(step=4, trainer_version=4) == "batch"
-    assert not prefetcher.pending
+    prefetcher.finish()
+    assert not prefetcher.pending and prefetcher.has_batch
+    assert prefetcher.take(step=4, trainer_version=4) == ("batch", 1)
+    assert not prefetcher.has_batch
     prefetcher.close()
 
 
@@ -53,7 +55,7 @@ def test_errors_surface_on_take_and_one_batch_at_a_time() -> None:
         prefetcher.take(step=1, trainer_version=1)
     prefetcher.submit(boom, version=0, for_step=1)
     prefetcher.drain()  # a failed step drops the pending batch and its error
-    assert not prefetcher.pending
+    assert not prefetcher.has_batch
     prefetcher.close()
 
 

@@ -21,16 +21,22 @@ Variants, switched by config: DAPO's dynamic sampling (``grpo.use_dynamic_sampli
 importance-sampling corrections (``loss_fn.truncated_importance_sampling_*``). A step with fewer rows than
 ``P x G`` (dynamic sampling that could not fill) trains on whole global batches of what it has, or on all
 of it in one optimizer step when that is less than a global batch.
+
+Asynchronous GRPO (``grpo.async_grpo.enabled``, dedicated generation workers): the next step's rollouts are
+collected in a background thread while this step trains, and the engines are refitted once both are done;
+each batch is then one policy version old (``train/trajectory_age``), which the importance-sampling
+correction accounts for (see :mod:`rlfleet.algorithms.async_rollouts`, also for what a resume regenerates).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from rlfleet.algorithms.advantages import group_advantages, zero_variance_fraction
+from rlfleet.algorithms.async_rollouts import RolloutPrefetcher
 from rlfleet.algorithms.dynamic_sampling import SampledGroups, collect_informative_groups, trainable_rows
 from rlfleet.algorithms.evaluation import evaluate
 from rlfleet.algorithms.overlong import OverlongShaping, mask_truncated
@@ -86,6 +92,19 @@ def rollout_metrics(rollouts: Sequence[Rollout], rewards: torch.Tensor, group_si
     }
 
 
+@dataclass
+class Collected:
+    """A step's scored rollouts and what collecting them took (seconds per phase)."""
+
+    sampled: SampledGroups[Rollout]
+    drawn: list[Rollout]  # every rollout generated, informative or not
+    reward_problems: tuple[int, int]  # (timeouts, errors) of the verifier
+    seconds: dict[str, float]
+    age: int = 0  # policy updates between the sampler and the trainer
+    trained_batch: TrainBatch | None = None
+    prev_from_forward: bool = False
+
+
 def skipped_update() -> dict[str, float]:
     """The metrics of a step that trains on nothing (no informative group, or every row masked)."""
     return {"train/update_skipped": 1.0, "train/num_tokens": 0}
@@ -127,6 +146,8 @@ class GRPO:
         self.max_rounds = max_rounds if g.use_dynamic_sampling else 1
         prompts_per_round = int(g.num_prompts_per_step * g.batch_multiplier)
         self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k)
+        a = g.async_grpo
+        self.prefetcher = RolloutPrefetcher[Collected](a.max_trajectory_age_steps) if a.enabled else None
         self.ctx, self.backend, self.data = start_run(
             cfg,
             seed=g.seed,
@@ -138,18 +159,57 @@ class GRPO:
         )
 
     def step(self) -> dict[str, float]:
-        cfg, worker, timer = self.cfg, self.ctx.worker, PhaseTimer()
+        """One GRPO step: this step's rollouts (collected now, or prefetched during the previous step when
+        asynchronous), the update, the next step's prefetch overlapping it, then the refit."""
+        ctx, timer = self.ctx, PhaseTimer()
+        collected = self._this_steps_rollouts()
+        if self.prefetcher is not None and ctx.step + 1 < ctx.total_steps:
+            ctx.loader_state_before_prefetch = ctx.loader.state_dict()
+            next_step = ctx.step + 1
+            # the engines hold the weights of `ctx.step` updates until the refit at the end of this step
+            self.prefetcher.submit(lambda: self._collect(next_step), version=ctx.step, for_step=next_step)
+        try:
+            metrics, updated = self._train_on(collected, timer)
+            if self.prefetcher is not None and self.prefetcher.pending:
+                with timer("generation_wait"):
+                    self.prefetcher.finish()
+        except BaseException:
+            if self.prefetcher is not None:
+                self.prefetcher.drain()
+            raise
+        if updated:
+            with timer("refit"):
+                self.backend.refit()
+        timing = {**{f"timing/{k}": v for k, v in collected.seconds.items()}, **timer.metrics()}
+        if updated:
+            metrics.update(self._throughput(collected.trained_batch, timing, collected.prev_from_forward))
+        return {**metrics, **timing}
+
+    def _this_steps_rollouts(self) -> Collected:
+        """The prefetched batch for this step (age-checked), or one collected now (the first step, or the
+        first after a resume: the same prompts and seeds the prefetch would have used, current weights)."""
+        ctx = self.ctx
+        if self.prefetcher is not None and self.prefetcher.has_batch:
+            collected, collected.age = self.prefetcher.take(ctx.step, trainer_version=ctx.step)
+            ctx.loader_state_before_prefetch = None
+            return collected
+        return self._collect(ctx.step)
+
+    def _train_on(self, collected: Collected, timer: PhaseTimer) -> tuple[dict[str, float], bool]:
+        """Advantages and the update on a collected batch; (metrics, whether the weights changed)."""
+        cfg, worker = self.cfg, self.ctx.worker
         g, p = cfg.grpo, cfg.policy
-        drawn: list[Rollout] = []
-        sampled = self._sample_groups(timer, drawn)
+        drawn, sampled = collected.drawn, collected.sampled
         self._log_samples(drawn)
         metrics = rollout_metrics(drawn, self._rewards(drawn, raw=True), g.num_generations_per_prompt)
-        metrics["train/reward_timeouts"], metrics["train/reward_errors"] = self.reward_problems
+        metrics["train/reward_timeouts"], metrics["train/reward_errors"] = collected.reward_problems
         if g.use_dynamic_sampling:
             metrics.update(sampled.metrics())
+        if self.prefetcher is not None:
+            metrics["train/trajectory_age"] = float(collected.age)
         rollouts = sampled.samples
         if not rollouts:  # no group carried a signal: nothing to train on
-            return {**metrics, **skipped_update(), **timer.metrics()}
+            return {**metrics, **skipped_update()}, False
         rewards = self._rewards(rollouts)
         if self.shaping is not None:
             metrics["train/shaped_reward"] = float(rewards.mean())
@@ -165,50 +225,52 @@ class GRPO:
             batch = batch.with_(response_mask=mask_truncated(batch.response_mask, truncated))
         rows, global_batch = trainable_rows(len(rollouts), p.train_global_batch_size, self.dp_size)
         if rows == 0 or float(batch.response_mask[:rows].sum()) == 0:  # nothing trainable (or all masked)
-            return {**metrics, **skipped_update(), **timer.metrics()}
+            return {**metrics, **skipped_update()}, False
         batch = batch.select(0, rows) if rows < len(batch) else batch
         prev_from_forward = rows == global_batch and not self.always_compute_prev
         train = self._update(batch, timer, global_batch, prev_from_forward)
-        with timer("refit"):
-            self.backend.refit()
+        collected.trained_batch, collected.prev_from_forward = batch, prev_from_forward
         metrics.update({f"train/{k}": v for k, v in train.items()})
         metrics["train/update_skipped"] = 0.0
         metrics["train/num_tokens"] = int(batch.attention_mask.sum())
-        metrics.update(self._throughput(batch, timer.metrics(), prev_from_forward))
-        return {**metrics, **timer.metrics()}
+        return metrics, True
 
-    def _sample_groups(self, timer: PhaseTimer, drawn: list[Rollout]) -> SampledGroups[Rollout]:
-        """This step's scored groups: one round of ``P`` prompts, or DAPO's rounds until ``P`` informative
-        groups (every rollout generated is appended to ``drawn``; reward problems are counted)."""
-        g, ctx = self.cfg.grpo, self.ctx
-        self.reward_problems = [0, 0]
+    def _collect(self, step: int) -> Collected:
+        """Step ``step``'s scored groups: one round of ``P`` prompts, or DAPO's rounds until ``P``
+        informative groups. Runs in the background thread when asynchronous (it touches the loader, the
+        generation engines and the reward workers only, never the trainers)."""
+        g, ctx, timer = self.cfg.grpo, self.ctx, PhaseTimer()
+        drawn: list[Rollout] = []
+        problems = [0, 0]
 
         def draw(round_index: int) -> list[Rollout]:
             prompts = ctx.loader.next_batch()
             # round 0 keeps the step's seed of plain GRPO; later rounds get their own (salt 1 is validation)
-            seed = step_seed(g.seed, ctx.step, salt=0 if round_index == 0 else 1 + round_index)
+            seed = step_seed(g.seed, step, salt=0 if round_index == 0 else 1 + round_index)
             with timer("generation"):
                 pairs = generate_rollouts(
                     self.backend, prompts, g.num_generations_per_prompt, self.sampling, seed
                 )
             with timer("reward"):
                 rollouts, scored = score(pairs, ctx.verifier)
-            self.reward_problems[0] += scored.num_timeouts
-            self.reward_problems[1] += scored.num_errors
+            problems[0] += scored.num_timeouts
+            problems[1] += scored.num_errors
             drawn.extend(rollouts)
             return rollouts
 
         if not g.use_dynamic_sampling:
             rollouts = draw(0)
             groups = len(rollouts) // g.num_generations_per_prompt
-            return SampledGroups(rollouts, 1, groups, groups, 0, True)
-        return collect_informative_groups(
-            draw,
-            lambda r: r.reward,
-            group_size=g.num_generations_per_prompt,
-            target_groups=g.num_prompts_per_step,
-            max_rounds=self.max_rounds,
-        )
+            sampled = SampledGroups(rollouts, 1, groups, groups, 0, True)
+        else:
+            sampled = collect_informative_groups(
+                draw,
+                lambda r: r.reward,
+                group_size=g.num_generations_per_prompt,
+                target_groups=g.num_prompts_per_step,
+                max_rounds=self.max_rounds,
+            )
+        return Collected(sampled, drawn, (problems[0], problems[1]), dict(timer.seconds))
 
     def _rewards(self, rollouts: Sequence[Rollout], *, raw: bool = False) -> torch.Tensor:
         """``[N]`` rewards, with DAPO's overlong penalty when configured (unless ``raw``)."""
@@ -274,15 +336,19 @@ class GRPO:
 
     def train(self) -> dict[str, float]:
         g = self.cfg.grpo
-        return run_loop(
-            self.ctx,
-            "grpo",
-            self.step,
-            self.validate,
-            val_period=g.val_period,
-            val_at_start=g.val_at_start,
-            val_at_end=g.val_at_end,
-        )
+        try:
+            return run_loop(
+                self.ctx,
+                "grpo",
+                self.step,
+                self.validate,
+                val_period=g.val_period,
+                val_at_start=g.val_at_start,
+                val_at_end=g.val_at_end,
+            )
+        finally:
+            if self.prefetcher is not None:
+                self.prefetcher.close()
 
 
 def grpo_train(cfg: MasterConfig) -> dict[str, float]:

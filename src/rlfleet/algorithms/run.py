@@ -47,6 +47,15 @@ class RunContext:
     total_steps: int
     step: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
+    # Set while the loader has run ahead for a prefetched (asynchronous) batch: the position a checkpoint
+    # records, so a resumed run draws that batch's prompts again.
+    loader_state_before_prefetch: dict[str, Any] | None = None
+
+    def loader_state(self) -> dict[str, Any]:
+        """The dataloader position a checkpoint of the current step records."""
+        if self.loader_state_before_prefetch is not None:
+            return self.loader_state_before_prefetch
+        return self.loader.state_dict()
 
     def training_info(self, step_metrics: dict[str, float]) -> dict[str, Any]:
         """Counters, the latest value of every metric (ranks checkpoints), and this step's log record.
@@ -55,7 +64,7 @@ class RunContext:
         and appending to ``metrics.jsonl`` gets the line back on resume.
         """
         kept = {k: v for k, v in self.last_metrics.items() if not k.startswith(MACHINE_METRICS)}
-        return {"step": self.step, "epoch": self.loader.epoch, **kept, STEP_RECORD: step_metrics}
+        return {"step": self.step, "epoch": self.loader_state()["epoch"], **kept, STEP_RECORD: step_metrics}
 
 
 def make_context(
@@ -160,7 +169,7 @@ def save_checkpoint(ctx: RunContext, step_metrics: dict[str, float]) -> Path | N
         ctx.step,
         config_yaml=config_to_yaml(ctx.cfg),
         training_info=ctx.training_info(step_metrics),
-        dataloader_state=ctx.loader.state_dict(),
+        dataloader_state=ctx.loader_state(),
         write_policy=ctx.worker.save,
     )
 

@@ -40,6 +40,17 @@ class RewardShapingConfig(Strict):
     )
 
 
+class AsyncGRPOConfig(Strict):
+    """Asynchronous GRPO (NeMo RL ``grpo.async_grpo``): with dedicated generation workers, the next step's
+    rollouts are generated and scored while the current step trains (see
+    :mod:`rlfleet.algorithms.async_rollouts`)."""
+
+    enabled: bool = Field(False, description="Overlap the next step's generation with this step's training.")
+    max_trajectory_age_steps: int = Field(
+        1, ge=1, description="Most policy updates between the weights that sampled a batch and its training."
+    )
+
+
 class GRPOConfig(Strict):
     num_prompts_per_step: int = Field(8, ge=1, description="Distinct prompts per step.")
     num_generations_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the group size G).")
@@ -74,6 +85,7 @@ class GRPOConfig(Strict):
         "count in their group's baseline.",
     )
     reward_shaping: RewardShapingConfig = RewardShapingConfig()
+    async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
 
 
 class SFTConfig(Strict):

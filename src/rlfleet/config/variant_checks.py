@@ -9,7 +9,30 @@ from rlfleet.config.schema import MasterConfig
 
 def variant_problems(cfg: MasterConfig) -> list[str]:
     """Every problem of the loss and sampling variants' settings."""
-    return loss_problems(cfg) + dapo_problems(cfg)
+    return loss_problems(cfg) + dapo_problems(cfg) + async_problems(cfg)
+
+
+def async_problems(cfg: MasterConfig) -> list[str]:
+    """Asynchronous GRPO needs dedicated generation workers and the importance-sampling correction."""
+    if not cfg.grpo.async_grpo.enabled:
+        return []
+    problems = []
+    if cfg.policy.generation.colocated.enabled:
+        problems.append(
+            "grpo.async_grpo.enabled=true overlaps generation with training, but generation is colocated "
+            "with the trainers (policy.generation.colocated.enabled=true), so the two would share the same "
+            "devices and take turns; fix: policy.generation.colocated.enabled=false with "
+            "policy.generation.colocated.resources.{num_nodes,gpus_per_node} for the generation workers, "
+            "or grpo.async_grpo.enabled=false"
+        )
+    if not cfg.loss_fn.use_importance_sampling_correction:
+        problems.append(
+            "grpo.async_grpo.enabled=true trains on rollouts sampled by the previous weights, which only the "
+            "importance-sampling correction accounts for; fix: "
+            "loss_fn.use_importance_sampling_correction=true (a cap such as "
+            "loss_fn.truncated_importance_sampling_ratio=2.0 is advised)"
+        )
+    return problems
 
 
 def loss_problems(cfg: MasterConfig) -> list[str]:

@@ -37,14 +37,16 @@ _FIELDS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
 )
 _TIMINGS: tuple[tuple[str, str], ...] = (
     ("timing/generation", "gen"),
+    ("timing/generation_wait", "wait"),
     ("timing/reward", "rew"),
     ("timing/logprobs", "lp"),
     ("timing/training", "train"),
     ("timing/refit", "refit"),
     ("timing/checkpoint", "ckpt"),
 )
-# Shown only when they took measurable time (an in-process refit is a no-op).
-_ONLY_WHEN_SLOW = {"timing/refit": 0.05}
+# Shown only when they took measurable time (an in-process refit is a no-op; asynchronous GRPO waits for
+# the next step's generation only when it outlasts the training).
+_ONLY_WHEN_SLOW = {"timing/refit": 0.05, "timing/generation_wait": 0.05}
 
 
 def _get(metrics: Mapping[str, Any], key: str) -> float | None:
