@@ -134,6 +134,19 @@ def test_summary_names_each_variant() -> None:
     )
     assert "16 prompts per round, up to 10 rounds for 8 informative groups" in dapo
     assert "overlong penalty up to 1 over tokens 48..64" in dapo and "truncated responses masked" in dapo
+    assert "synchronous: generate, then train" in summary()
+    overlapped = summary(
+        "grpo.async_grpo.enabled=true",
+        "grpo.async_grpo.max_trajectory_age_steps=2",
+        "loss_fn.use_importance_sampling_correction=true",
+        "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.resources.gpus_per_node=1",
+        "cluster.gpus_per_node=2",
+    )
+    assert (
+        "asynchronous: the next step generates while this one trains; batches at most 2 update(s)"
+        in overlapped
+    )
 
 
 def test_validate_prints_the_configured_variant(capsys) -> None:

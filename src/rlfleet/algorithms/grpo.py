@@ -146,8 +146,8 @@ class GRPO:
         self.max_rounds = max_rounds if g.use_dynamic_sampling else 1
         prompts_per_round = int(g.num_prompts_per_step * g.batch_multiplier)
         self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k)
-        a = g.async_grpo
-        self.prefetcher = RolloutPrefetcher[Collected](a.max_trajectory_age_steps) if a.enabled else None
+        enabled, max_age = g.async_grpo.enabled, g.async_grpo.max_trajectory_age_steps
+        self.prefetcher = RolloutPrefetcher[Collected](max_age) if enabled else None
         self.ctx, self.backend, self.data = start_run(
             cfg,
             seed=g.seed,

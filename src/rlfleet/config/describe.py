@@ -68,10 +68,22 @@ def _sampling(cfg: MasterConfig) -> str:
     return "; ".join(parts)
 
 
+def _schedule(cfg: MasterConfig) -> str:
+    a = cfg.grpo.async_grpo
+    if not a.enabled:
+        return "synchronous: generate, then train, then refit"
+    return (
+        "asynchronous: the next step generates while this one trains; batches at most "
+        f"{a.max_trajectory_age_steps} update(s) old"
+    )
+
+
 def describe_algorithm(cfg: MasterConfig) -> list[tuple[str, str]]:
-    """``(label, text)`` rows: the GRPO objective, the importance-sampling correction, the sampling."""
+    """``(label, text)`` rows: the GRPO objective, the importance-sampling correction, the sampling, and
+    whether generation overlaps training."""
     return [
         ("loss", _loss(cfg)),
         ("IS correction", _importance_sampling(cfg)),
         ("advantages", _sampling(cfg)),
+        ("schedule", _schedule(cfg)),
     ]
