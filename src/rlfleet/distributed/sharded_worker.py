@@ -19,6 +19,7 @@ from rlfleet.distributed.generation_worker import GenerationWorker, WorkerOutput
 from rlfleet.distributed.parallelize import build_mesh, clip_grad_norm
 from rlfleet.distributed.refit import RefitGroup, WeightSpec, weight_spec
 from rlfleet.generation import SamplingParams
+from rlfleet.generation.vllm import VLLMSettings
 from rlfleet.models.loading import DTYPES, ModelSource
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.build import build_policy_models
@@ -34,6 +35,7 @@ class ShardingSettings:
     tensor_parallel_size: int = 1
     activation_checkpointing: bool = False
     generation_batch_size: int | None = None  # None: no colocated generation engine on this rank
+    generation_vllm: VLLMSettings | None = None  # the colocated engine is vLLM (else HF)
 
 
 class ShardedPolicyWorker(TrainablePolicy):
@@ -75,7 +77,6 @@ class ShardedPolicyWorker(TrainablePolicy):
         self.dp_size = self.mesh["dp"].size()  # overrides TrainablePolicy.dp_size
         self.settings = settings
         self.sharding = sharding
-        self.precision = source.precision  # of the generation engines, so of the refit
         self.tokenizer = source.load_tokenizer()
         models = build_policy_models(
             source,
@@ -87,7 +88,9 @@ class ShardedPolicyWorker(TrainablePolicy):
         self._init_models(models)
         self.generator: GenerationWorker | None = None
         if sharding.generation_batch_size is not None:
-            self.generator = GenerationWorker(source, sharding.generation_batch_size)
+            self.generator = GenerationWorker(
+                source, sharding.generation_batch_size, sharding.generation_vllm
+            )
         self.refit_group: RefitGroup | None = None
         self.busy_seconds = 0.0
 
@@ -179,12 +182,15 @@ class ShardedPolicyWorker(TrainablePolicy):
         """Names and shapes of the full weights, as rank 0 will broadcast them (collective)."""
         return weight_spec(self.full_state_dict())
 
-    def join_refit_group(self, master_addr: str, master_port: int, size: int, timeout_s: float) -> None:
-        """Rank 0 joins the refit group as its source; other ranks do nothing."""
+    def join_refit_group(
+        self, master_addr: str, master_port: int, size: int, timeout_s: float, precision: str
+    ) -> None:
+        """Rank 0 joins the refit group as its source, sending in the engines' ``precision``; other ranks
+        do nothing."""
         if self.rank == 0:
             if self.refit_group is not None:
                 self.refit_group.close()
-            dtype = DTYPES[self.precision]
+            dtype = DTYPES[precision]
             self.refit_group = RefitGroup(master_addr, master_port, 0, size, timeout_s, dtype)
 
     def send_weights(self, spec: WeightSpec) -> None:
@@ -194,3 +200,8 @@ class ShardedPolicyWorker(TrainablePolicy):
             if self.refit_group is None:
                 raise RuntimeError("join_refit_group must run before send_weights")
             self.refit_group.send(state, spec)
+
+    def close(self) -> None:
+        """Stops this rank's colocated engine (a vLLM engine runs in its own process)."""
+        if self.generator is not None:
+            self.generator.close()

@@ -84,7 +84,10 @@ class _RankHost:
         return getattr(self.worker, method)(*args, **kwargs)
 
     def close(self) -> None:
-        """Leaves the process group."""
+        """Closes the worker (when it has a ``close``: a vLLM engine's process), then leaves the group."""
+        worker, self.worker = self.worker, None
+        if worker is not None and hasattr(worker, "close"):
+            worker.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -137,12 +140,11 @@ class RayWorkerGroup:
         self.timeout_s = timeout_s
         slots = [(pg, i) for pg in placement_groups for i in range(pg.bundle_count)]
         self.world_size = len(slots)
-        use_gpus = any("GPU" in bundle for pg in placement_groups for bundle in pg.bundle_specs)
         remote_host = ray.remote(_RankHost)
         self.actors: list[ray.actor.ActorHandle] = [
             remote_host.options(
                 num_cpus=1,
-                num_gpus=1 if use_gpus else 0,
+                num_gpus=pg.bundle_specs[i].get("GPU", 0),  # the whole bundle's GPUs
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
             ).remote(rank, self.world_size)
             for rank, (pg, i) in enumerate(slots)
