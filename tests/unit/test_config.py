@@ -668,9 +668,8 @@ def test_vllm_runs_in_one_process_and_on_ray_and_bad_tensor_parallel_sizes_are_r
     with pytest.raises(ConfigError, match=r"(?s)1 problem.*vllm_cfg.tensor_parallel_size=2 must divide"):
         check_config(load_recipe(path, [*vllm, tp2]), "grpo")  # one process on one GPU
     with pytest.raises(ConfigError, match=r"(?s)1 problem.*tensor_parallel_size=4 must divide the 2 GPUs"):
-        check_config(
-            load_recipe(path, [*vllm, *dedicated, "policy.generation.vllm_cfg.tensor_parallel_size=4"]), "grpo"
-        )
+        tp4 = "policy.generation.vllm_cfg.tensor_parallel_size=4"
+        check_config(load_recipe(path, [*vllm, *dedicated, tp4]), "grpo")
     with pytest.raises(ConfigError) as err:  # colocated: an engine cannot span the ranks' actors
         ensure_runnable(load_recipe(path, [*vllm, "cluster.gpus_per_node=2", tp2]))
     assert str(err.value).count("\n  - ") == 1, str(err.value)  # one clear problem
