@@ -162,7 +162,8 @@ class RayRuntime:
         if self.gen is not None:
             self.gen.shutdown()
             self.gen = None
-        init = {"source": self.source, "batch_size": self.generation_batch_size, "vllm": self.vllm}
+        vllm = None if self.vllm is None else replace(self.vllm, shares_gpu=False)  # its GPUs to itself
+        init = {"source": self.source, "batch_size": self.generation_batch_size, "vllm": vllm}
         self.gen = RayWorkerGroup(GenerationWorker, self.gen_pgs, init, self.call_timeout_s)
         return self.gen
 

@@ -7,9 +7,10 @@ safetensors files of bounded size (the float32 masters cast to the engine dtype)
 worker extension in :mod:`rlfleet.generation.vllm_worker_ext`. With ``load_format="dummy"`` the engine
 starts with random weights and the constructor refits before anything can generate.
 
-On a GPU the engine sleeps between generations (NeMo RL's order): ``sleep(level=1)`` after generating
-frees the KV cache and offloads the weights for training; ``refit`` wakes the weights, loads the new ones,
-then wakes the KV cache. The CPU build has no sleep mode.
+On a GPU shared with training the engine sleeps between generations (NeMo RL's order): ``sleep(level=1)``
+after generating frees the KV cache and offloads the weights for training; ``refit`` wakes the weights,
+loads the new ones, then wakes the KV cache. The CPU build has no sleep mode; a dedicated engine
+(``VLLMSettings.shares_gpu=False``) stays awake.
 
 An engine with no trainer model beside it (a dedicated generation worker on Ray,
 :meth:`VLLMGenerationBackend.receiving`) starts from the config alone with dummy weights; the weights it
@@ -64,6 +65,8 @@ class VLLMSettings:
         tensor_parallel_size: GPUs per engine.
         engine_kwargs: Passed through to ``vllm.LLM`` last (``vllm_cfg.vllm_kwargs``).
         bucket_bytes: Largest weight file written per refit bucket.
+        shares_gpu: The engine shares its GPU with training (colocated): on a GPU it sleeps between
+            generations. A dedicated engine has its GPUs to itself and stays awake.
     """
 
     precision: str
@@ -75,6 +78,7 @@ class VLLMSettings:
     tensor_parallel_size: int = 1
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     bucket_bytes: int = 256 * 1024**2
+    shares_gpu: bool = True
 
 
 def weight_buckets(
@@ -138,7 +142,7 @@ class VLLMGenerationBackend:
         # without a model there are no weights to write: the engine starts dummy and waits for load_weights
         self.settings = settings if model is not None else replace(settings, load_format="dummy")
         self.dtype = DTYPES[settings.precision]
-        self.sleeps = torch.cuda.is_available()  # sleep mode is a GPU feature
+        self.sleeps = settings.shares_gpu and torch.cuda.is_available()  # sleep mode is a GPU feature
         self.asleep = False
         self.has_weights = self.settings.load_format == "auto"
         self.llm: Any = None
