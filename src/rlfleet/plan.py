@@ -135,7 +135,10 @@ def _workers(cfg: MasterConfig, lay: ResourceLayout) -> str:
     text = f"Ray: {lay.train_world} training actor(s) in {lay.train_nodes} placement group(s)"
     if lay.colocated:
         if lay.backend == "vllm":
-            return text + ", each also hosting a vLLM engine process (refit from the gathered weights)"
+            return (
+                text + f"; {lay.gen_engines} of them also host a vLLM engine over the GPU(s) of "
+                f"{lay.gen_tp} rank(s) (refit from the gathered weights)"
+            )
         return text + ", each also generating (refit in place)"
     if lay.backend == "vllm":
         return (

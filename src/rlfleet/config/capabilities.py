@@ -66,15 +66,6 @@ def unsupported_settings(cfg: MasterConfig, *, here: bool = True) -> list[str]:
 def _vllm_problems(cfg: MasterConfig, here: bool) -> list[str]:
     """What ``backend=vllm`` cannot do in this build (in one process, colocated or dedicated on Ray)."""
     g, problems = cfg.policy.generation, []
-    tp = g.vllm_cfg.tensor_parallel_size
-    if uses_ray(cfg) and g.colocated.enabled and tp > 1:
-        problems.append(
-            f"policy.generation.vllm_cfg.tensor_parallel_size={tp} with colocated generation on Ray: each "
-            "training rank's actor holds one GPU, and this build starts a colocated vLLM engine inside it, "
-            "so an engine cannot span several ranks' GPUs; fix: policy.generation.vllm_cfg."
-            "tensor_parallel_size=1, or dedicated generation (policy.generation.colocated.enabled=false "
-            "with policy.generation.colocated.resources), where an engine takes its bundle's GPUs"
-        )
     if here and importlib.util.find_spec("vllm") is None:
         problems.append(
             "policy.generation.backend: got 'vllm', but vllm is not installed; fix: pip install "

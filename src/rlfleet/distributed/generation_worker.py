@@ -58,6 +58,7 @@ class GenerationWorker:
                 self.spec = weight_spec(AutoModelForCausalLM.from_config(config).state_dict())
             self.backend = VLLMGenerationBackend.receiving(config, tokenizer, vllm)
             self.dtype = DTYPES[vllm.precision]
+        self.tensor_parallel_size = 1 if vllm is None else vllm.tensor_parallel_size
         self.refit_group: RefitGroup | None = None
 
     def generate_rows(

@@ -317,13 +317,19 @@ class RayGeneration:
         seeds = row_seeds(seed, len(prompts))
         return self._retrying(lambda: self._generate(prompts, params, seeds))
 
+    def _engine_ranks(self) -> list[int]:
+        """The ranks that host an engine: every dedicated worker; colocated, the first rank of each group
+        of ``gen_tp`` training ranks (a tensor-parallel vLLM engine spans its group's GPUs)."""
+        lay = self.runtime.layout
+        return list(range(0, self._engines().world_size, lay.gen_tp if lay.colocated else 1))
+
     def _generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: list[int]
     ) -> list[GenerationResult]:
-        engines = self._engines()
-        shares = split_rows(len(prompts), engines.world_size)
-        outputs: list[WorkerOutput] = engines.run_each(
-            "generate_rows", [([list(p) for p in prompts[a:b]], params, seeds[a:b]) for a, b in shares]
+        ranks = self._engine_ranks()
+        shares = split_rows(len(prompts), len(ranks))
+        outputs: list[WorkerOutput] = self._engines().run_on(
+            ranks, "generate_rows", [([list(p) for p in prompts[a:b]], params, seeds[a:b]) for a, b in shares]
         )
         self.last_metrics = balance_metrics(
             "generation", [o.seconds for o in outputs], [o.tokens for o in outputs]

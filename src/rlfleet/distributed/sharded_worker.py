@@ -8,8 +8,9 @@ single-process ``PolicyWorker`` step on the same batch.
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -88,11 +89,24 @@ class ShardedPolicyWorker(TrainablePolicy):
         self._init_models(models)
         self.generator: GenerationWorker | None = None
         if sharding.generation_batch_size is not None:
-            self.generator = GenerationWorker(
-                source, sharding.generation_batch_size, sharding.generation_vllm
-            )
+            vllm = self._group_engine(sharding.generation_vllm)
+            if vllm is not None or sharding.generation_vllm is None:
+                self.generator = GenerationWorker(source, sharding.generation_batch_size, vllm)
         self.refit_group: RefitGroup | None = None
         self.busy_seconds = 0.0
+
+    def _group_engine(self, vllm: VLLMSettings | None) -> VLLMSettings | None:
+        """The colocated vLLM engine's settings on the first rank of each group of its tensor-parallel
+        size, spanning the group's GPUs; None on the other ranks (and without vLLM). Collective."""
+        if vllm is None or vllm.tensor_parallel_size == 1:
+            return vllm
+        tp = vllm.tensor_parallel_size
+        devices: list[str] = [""] * self.world_size
+        dist.all_gather_object(devices, os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+        if self.rank % tp:
+            return None
+        group = devices[self.rank : self.rank + tp]
+        return replace(vllm, visible_devices=",".join(group)) if self.device.type == "cuda" else vllm
 
     def placement(self) -> dict[str, int]:
         """This rank's coordinates (for logs and tests)."""
@@ -173,10 +187,16 @@ class ShardedPolicyWorker(TrainablePolicy):
         """Colocated generation on this rank's engine."""
         return self._engine().generate_rows(prompts, params, seeds)
 
+    def engine_tensor_parallel_size(self) -> int:
+        """How many ranks' devices this rank's colocated engine spans (0: it hosts none)."""
+        return 0 if self.generator is None else self.generator.tensor_parallel_size
+
     def refit_colocated(self) -> None:
-        """Copies the current training weights into this rank's engine (collective: all ranks gather)."""
+        """Loads the current training weights into this rank's engine, if it hosts one (collective: all
+        ranks gather)."""
         state = self.full_state_dict(on_every_rank=True)
-        self._engine().load_weights(state)
+        if self.generator is not None:
+            self.generator.load_weights(state)
 
     def weight_spec(self) -> WeightSpec:
         """Names and shapes of the full weights, as rank 0 will broadcast them (collective)."""

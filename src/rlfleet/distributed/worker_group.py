@@ -175,10 +175,16 @@ class RayWorkerGroup:
 
     def run_each(self, method: str, per_rank_args: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Calls ``method(*per_rank_args[rank])`` on each rank; results in rank order."""
-        if len(per_rank_args) != self.world_size:
-            raise ValueError(f"{len(per_rank_args)} argument tuples for {self.world_size} ranks")
+        return self.run_on(range(self.world_size), method, per_rank_args)
+
+    def run_on(
+        self, ranks: Sequence[int], method: str, per_rank_args: Sequence[tuple[Any, ...]]
+    ) -> list[Any]:
+        """Calls ``method(*per_rank_args[i])`` on rank ``ranks[i]``; results in that order."""
+        if len(per_rank_args) != len(ranks):
+            raise ValueError(f"{len(per_rank_args)} argument tuples for {len(ranks)} ranks")
         return self._gather(
-            [a.call.remote(method, args, {}) for a, args in zip(self.actors, per_rank_args, strict=True)]
+            [self.submit_to(rank, method, *args) for rank, args in zip(ranks, per_rank_args, strict=True)]
         )
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:

@@ -27,6 +27,7 @@ distribution).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -67,6 +68,8 @@ class VLLMSettings:
         bucket_bytes: Largest weight file written per refit bucket.
         shares_gpu: The engine shares its GPU with training (colocated): on a GPU it sleeps between
             generations. A dedicated engine has its GPUs to itself and stays awake.
+        visible_devices: ``CUDA_VISIBLE_DEVICES`` of the engine's processes (a colocated tensor-parallel
+            engine spans its training ranks' GPUs); None: this process's.
     """
 
     precision: str
@@ -79,6 +82,7 @@ class VLLMSettings:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     bucket_bytes: int = 256 * 1024**2
     shares_gpu: bool = True
+    visible_devices: str | None = None
 
 
 def weight_buckets(
@@ -109,6 +113,23 @@ def _scratch_dir() -> str:
     """Where refit files go: RAM-backed ``/dev/shm`` when there is one, else the temp directory."""
     shm = "/dev/shm"
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """Sets ``os.environ[name]`` for the block (nothing when ``value`` is None), then restores it."""
+    if value is None:
+        yield
+        return
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 class VLLMGenerationBackend:
@@ -194,7 +215,8 @@ class VLLMGenerationBackend:
             **s.engine_kwargs,
         }
         start = time.perf_counter()
-        llm = LLM(**kwargs)
+        with _environment("CUDA_VISIBLE_DEVICES", s.visible_devices):  # inherited by the engine's processes
+            llm = LLM(**kwargs)
         log.info(
             "vLLM engine started in %.1f s (%s, max_model_len %d)",
             time.perf_counter() - start,
