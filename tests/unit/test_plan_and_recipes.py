@@ -50,6 +50,21 @@ def test_plan_command_prints_the_layout(capsys) -> None:
     assert "not in this build" not in out
 
 
+def test_plan_shows_the_colocated_vllm_engines_on_ray(capsys) -> None:
+    tiny = ["policy.model_name=m", "policy.generation.backend=vllm", "cluster.gpus_per_node=4"]
+    assert (
+        main(["plan", "grpo-tiny-arithmetic-cpu", *tiny, "policy.generation.vllm_cfg.tensor_parallel_size=2"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "colocated with training; vllm, TP 2 -> 2 engine(s)" in out
+    assert (
+        "4 training actor(s) in 1 placement group(s); 2 of them also host a vLLM engine over the GPU(s) of 2"
+        in out
+    )
+    assert "dummy, then the trainer's (gathered) before the first generation" in out
+
+
 @pytest.mark.parametrize(
     ("overrides", "fragment"),
     [
