@@ -52,6 +52,7 @@ class GenerationWorker:
             self.model.requires_grad_(False)
             self.backend = HFGenerationBackend(self.model, tokenizer, batch_size)
             self.dtype = next(self.model.parameters()).dtype
+            self.spec = weight_spec(self.model.state_dict())
         else:
             config = source.load_config()
             with torch.device("meta"):  # names and shapes only
@@ -72,7 +73,7 @@ class GenerationWorker:
 
     def weight_spec(self) -> WeightSpec:
         """Names and shapes of the weights this engine expects from a refit."""
-        return weight_spec(self.model.state_dict()) if self.model is not None else self.spec
+        return self.spec
 
     def refit_precision(self) -> str:
         """The dtype name the weights travel in to this engine (its own)."""
