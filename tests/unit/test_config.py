@@ -721,3 +721,22 @@ def test_vllm_cfg_keys_resolve_into_the_engine_settings() -> None:
     s = vllm_settings(cfg, seed=0)
     assert (s.precision, s.max_model_len, s.load_format, s.enforce_eager) == ("bfloat16", 1024, "dummy", True)
     assert (s.gpu_memory_utilization, s.engine_kwargs) == (0.3, {"swap_space": 2})
+
+
+def test_packages_missing_here_are_no_problem_for_a_run_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rlfleet k8s render`` checks the recipe, not the rendering machine's packages (the image has them)."""
+    import importlib.util
+
+    from rlfleet.config import load_recipe, resolve_recipe_path, unsupported_settings
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("ray", "vllm") else real(name)
+    )
+    cfg = load_recipe(
+        resolve_recipe_path("grpo-tiny-arithmetic-cpu"),
+        ["policy.model_name=x", "policy.generation.backend=vllm", "cluster.gpus_per_node=2"],
+    )
+    here = unsupported_settings(cfg)
+    assert len(here) == 2 and "ray is not installed" in here[0] and "vllm is not installed" in here[1]
+    assert unsupported_settings(cfg, here=False) == []
