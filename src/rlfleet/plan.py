@@ -77,6 +77,9 @@ def vllm_engine_summary(cfg: MasterConfig) -> str:
     p = cfg.policy
     v = p.generation.vllm_cfg
     weights = "dummy, refitted before the first generation" if v.load_format == "dummy" else "the policy's"
+    if uses_ray(cfg):  # a Ray-hosted engine starts without weights and receives the trainer's
+        how = "gathered" if p.generation.colocated.enabled else "broadcast from training rank 0"
+        weights = f"dummy, then the trainer's ({how}) before the first generation"
     text = (
         f"vLLM ({'async' if v.async_engine else 'sync'}) {v.precision or p.precision}, max_model_len "
         f"{v.max_model_len or p.max_total_sequence_length}, weights at start: {weights}, "
@@ -133,7 +136,17 @@ def _workers(cfg: MasterConfig, lay: ResourceLayout) -> str:
         return "this process (no Ray); generation shares the model"
     text = f"Ray: {lay.train_world} training actor(s) in {lay.train_nodes} placement group(s)"
     if lay.colocated:
+        if lay.backend == "vllm":
+            return (
+                text + f"; {lay.gen_engines} of them also host a vLLM engine over the GPU(s) of "
+                f"{lay.gen_tp} rank(s) (refit from the gathered weights)"
+            )
         return text + ", each also generating (refit in place)"
+    if lay.backend == "vllm":
+        return (
+            text + f" + {lay.gen_engines} vLLM engine actor(s) of {lay.gen_tp} GPU(s) each "
+            "(refit by broadcast from training rank 0)"
+        )
     return text + f" + {lay.gen_world} generation actor(s) (refit by broadcast from training rank 0)"
 
 

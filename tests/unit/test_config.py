@@ -648,19 +648,33 @@ def test_ray_is_used_when_the_layout_needs_more_than_one_process() -> None:
     assert uses_ray(load_recipe(path, dedicated))
 
 
-def test_vllm_runs_in_one_process_and_is_refused_on_ray_with_a_fix() -> None:
+def test_vllm_runs_in_one_process_and_on_ray_and_bad_tensor_parallel_sizes_are_refused_with_a_fix() -> None:
     from rlfleet.config import check_config, ensure_runnable, load_recipe, resolve_recipe_path
 
     path = resolve_recipe_path("grpo-tiny-arithmetic-cpu")
     vllm = ["policy.model_name=x", "policy.generation.backend=vllm"]
-    ensure_runnable(load_recipe(path, vllm))  # one process: runnable
+    dedicated = [
+        "cluster.gpus_per_node=4",
+        "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.resources.num_nodes=1",
+        "policy.generation.colocated.resources.gpus_per_node=2",
+    ]
+    for layout in ([], ["cluster.gpus_per_node=2"], ["cluster.use_ray=true"], dedicated):
+        cfg = load_recipe(path, [*vllm, *layout])
+        check_config(cfg, "grpo")
+        ensure_runnable(cfg)  # one process, colocated on Ray, dedicated on Ray: runnable
+    tp2 = "policy.generation.vllm_cfg.tensor_parallel_size=2"
+    ensure_runnable(load_recipe(path, [*vllm, *dedicated, tp2]))  # one engine of 2 GPUs
     with pytest.raises(ConfigError, match=r"(?s)1 problem.*vllm_cfg.tensor_parallel_size=2 must divide"):
-        check_config(load_recipe(path, [*vllm, "policy.generation.vllm_cfg.tensor_parallel_size=2"]), "grpo")
-    for ray in (["cluster.gpus_per_node=2"], ["cluster.use_ray=true"]):
-        with pytest.raises(ConfigError) as err:
-            ensure_runnable(load_recipe(path, [*vllm, *ray]))
-        assert str(err.value).count("\n  - ") == 1, str(err.value)  # one clear problem
-        assert "single-process layout" in str(err.value) and "policy.generation.backend=hf" in str(err.value)
+        check_config(load_recipe(path, [*vllm, tp2]), "grpo")  # one process on one GPU
+    with pytest.raises(ConfigError, match=r"(?s)1 problem.*tensor_parallel_size=4 must divide the 2 GPUs"):
+        tp4 = "policy.generation.vllm_cfg.tensor_parallel_size=4"
+        check_config(load_recipe(path, [*vllm, *dedicated, tp4]), "grpo")
+    colocated = ["cluster.gpus_per_node=2", tp2]  # one engine over both training ranks' GPUs
+    ensure_runnable(load_recipe(path, [*vllm, *colocated]))
+    check_config(load_recipe(path, [*vllm, *colocated]), "grpo")
+    with pytest.raises(ConfigError, match=r"(?s)1 problem.*tensor_parallel_size=2 must divide the 3 GPUs"):
+        check_config(load_recipe(path, [*vllm, "cluster.gpus_per_node=3", tp2]), "grpo")
 
 
 def test_vllm_max_model_len_below_the_sequence_budget_is_one_error_before_anything_starts() -> None:
@@ -707,3 +721,22 @@ def test_vllm_cfg_keys_resolve_into_the_engine_settings() -> None:
     s = vllm_settings(cfg, seed=0)
     assert (s.precision, s.max_model_len, s.load_format, s.enforce_eager) == ("bfloat16", 1024, "dummy", True)
     assert (s.gpu_memory_utilization, s.engine_kwargs) == (0.3, {"swap_space": 2})
+
+
+def test_packages_missing_here_are_no_problem_for_a_run_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rlfleet k8s render`` checks the recipe, not the rendering machine's packages (the image has them)."""
+    import importlib.util
+
+    from rlfleet.config import load_recipe, resolve_recipe_path, unsupported_settings
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("ray", "vllm") else real(name)
+    )
+    cfg = load_recipe(
+        resolve_recipe_path("grpo-tiny-arithmetic-cpu"),
+        ["policy.model_name=x", "policy.generation.backend=vllm", "cluster.gpus_per_node=2"],
+    )
+    here = unsupported_settings(cfg)
+    assert len(here) == 2 and "ray is not installed" in here[0] and "vllm is not installed" in here[1]
+    assert unsupported_settings(cfg, here=False) == []

@@ -45,6 +45,24 @@ def test_plan_command_prints_the_layout(capsys) -> None:
     out = capsys.readouterr().out
     assert "dedicated 1 node(s) x 8 GPU(s)" in out and "TP 8 x DP 1" in out and "16 x 64 = 1,024" in out
     assert "27.01B parameters" in out and "GiB" in out
+    assert "vllm, TP 8 -> 1 engine(s)" in out and "1 vLLM engine actor(s) of 8 GPU(s) each" in out
+    assert "weights at start: dummy, then the trainer's (broadcast from training rank 0)" in out
+    assert "not in this build" not in out
+
+
+def test_plan_shows_the_colocated_vllm_engines_on_ray(capsys) -> None:
+    tiny = ["policy.model_name=m", "policy.generation.backend=vllm", "cluster.gpus_per_node=4"]
+    assert (
+        main(["plan", "grpo-tiny-arithmetic-cpu", *tiny, "policy.generation.vllm_cfg.tensor_parallel_size=2"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "colocated with training; vllm, TP 2 -> 2 engine(s)" in out
+    assert (
+        "4 training actor(s) in 1 placement group(s); 2 of them also host a vLLM engine over the GPU(s) of 2"
+        in out
+    )
+    assert "dummy, then the trainer's (gathered) before the first generation" in out
 
 
 @pytest.mark.parametrize(

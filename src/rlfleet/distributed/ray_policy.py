@@ -4,9 +4,10 @@
 training, checkpoints) and ``RayGeneration`` (sampling, refit) are what the algorithms see, so the GRPO
 and SFT loops do not change between one process and a cluster.
 
-Layouts (``config.layout``): *colocated*, every training rank also holds a generation engine and the
-refit copies the gathered weights in place; *dedicated*, generation engines run on their own bundles and
-receive the weights by broadcast from training rank 0.
+Layouts (``config.layout``): *colocated*, every training rank also holds a generation engine (HF, or a
+vLLM engine process) refitted from the gathered weights; *dedicated*, generation engines run on their own
+bundles (a vLLM engine of tensor-parallel size N takes a bundle of N GPUs) and receive the weights by
+broadcast from training rank 0.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from rlfleet.distributed.sharded_worker import ShardedPolicyWorker, ShardingSett
 from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError, WorkerTimeoutError, gather
 from rlfleet.generation import GenerationResult, SamplingParams
 from rlfleet.generation.sampling import row_seeds
+from rlfleet.generation.vllm import VLLMSettings
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.worker import LossFn, OptimizerSettings
@@ -73,7 +75,8 @@ class RayRuntime:
         source: The policy to load.
         settings: Optimizer settings of the training ranks.
         sharding: Tensor parallelism and activation checkpointing (its generation batch is set here).
-        generation_batch_size: Prompts per ``generate`` call in each engine.
+        generation_batch_size: Prompts per ``generate`` call in each engine (HF).
+        vllm: The vLLM engines' settings; None generates with HF.
         keep_reference: Training ranks also hold the frozen reference policy.
         seed: Seeds the training ranks.
         call_timeout_s: Limit on every call to an actor.
@@ -88,6 +91,7 @@ class RayRuntime:
         sharding: ShardingSettings,
         *,
         generation_batch_size: int,
+        vllm: VLLMSettings | None = None,
         keep_reference: bool,
         seed: int,
         call_timeout_s: float,
@@ -96,9 +100,10 @@ class RayRuntime:
         self.layout = layout
         self.source = source
         self.generation_batch_size = generation_batch_size
+        self.vllm = vllm
         self.call_timeout_s = call_timeout_s
         self.placement_timeout_s = placement_timeout_s
-        processes = layout.train_world + (0 if layout.colocated else layout.gen_world)
+        processes = layout.train_world + (0 if layout.colocated else layout.gen_engines)
         self.owns_ray = connect_or_start(None, num_cpus=processes + 2, timeout_s=placement_timeout_s)
         self.use_gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.groups: list[Any] = []
@@ -109,29 +114,41 @@ class RayRuntime:
             self.gen_pgs = (
                 []
                 if layout.colocated
-                else self._reserve(layout.gen_nodes, layout.gen_gpus_per_node, "rlfleet-generation")
+                else self._reserve(
+                    layout.gen_nodes,
+                    layout.gen_gpus_per_node // layout.gen_tp,  # one bundle per engine
+                    "rlfleet-generation",
+                    gpus_per_bundle=layout.gen_tp,
+                )
             )
             colocated_batch = generation_batch_size if layout.colocated else None
+            colocated_vllm = vllm if layout.colocated else None
             init = {
                 "source": source,
                 "settings": settings,
-                "sharding": replace(sharding, generation_batch_size=colocated_batch),
+                "sharding": replace(
+                    sharding, generation_batch_size=colocated_batch, generation_vllm=colocated_vllm
+                ),
                 "keep_reference": keep_reference,
                 "seed": seed,
             }
             self.train = RayWorkerGroup(ShardedPolicyWorker, self.train_pgs, init, call_timeout_s)
+            engines = f"{layout.gen_engines} {layout.backend} engine(s) x TP {layout.gen_tp}"
             log.info(
-                "training on %d Ray worker(s) (tensor parallel %d); generation %s",
+                "training on %d Ray worker(s) (tensor parallel %d); generation: %s, %s",
                 self.train.world_size,
                 layout.train_tp,
-                "colocated" if layout.colocated else f"on {layout.gen_world} dedicated worker(s)",
+                engines,
+                "colocated" if layout.colocated else "dedicated",
             )
         except BaseException:
             self.close()
             raise
 
-    def _reserve(self, nodes: int, per_node: int, name: str) -> list[Any]:
-        groups = create_node_placement_groups(nodes, per_node, self.use_gpus, self.placement_timeout_s, name)
+    def _reserve(self, nodes: int, per_node: int, name: str, gpus_per_bundle: int = 1) -> list[Any]:
+        groups = create_node_placement_groups(
+            nodes, per_node, self.use_gpus, self.placement_timeout_s, name, gpus_per_bundle
+        )
         self.groups.extend(groups)
         return groups
 
@@ -145,7 +162,8 @@ class RayRuntime:
         if self.gen is not None:
             self.gen.shutdown()
             self.gen = None
-        init = {"source": self.source, "batch_size": self.generation_batch_size}
+        vllm = None if self.vllm is None else replace(self.vllm, shares_gpu=False)  # its GPUs to itself
+        init = {"source": self.source, "batch_size": self.generation_batch_size, "vllm": vllm}
         self.gen = RayWorkerGroup(GenerationWorker, self.gen_pgs, init, self.call_timeout_s)
         return self.gen
 
@@ -244,7 +262,9 @@ class RayGeneration:
         self.spec: WeightSpec | None = None
         self.last_metrics: dict[str, float] = {}
         self.restarts = 0
-        if not runtime.layout.colocated:
+        if runtime.layout.colocated:
+            self.refit()  # a colocated vLLM engine starts with dummy weights
+        else:
             self._start_dedicated()
 
     def _engines(self) -> RayWorkerGroup:
@@ -266,10 +286,13 @@ class RayGeneration:
                     f"({len(theirs)} vs {len(spec)} tensors); both must load policy.model_name"
                 )
         self.spec = spec
+        precisions = set(gen.run_all("refit_precision"))
+        if len(precisions) != 1:
+            raise RuntimeError(f"the generation engines run in different precisions: {sorted(precisions)}")
         addr, port = train.free_port_on_rank0()
         size = 1 + gen.world_size
         timeout = self.runtime.call_timeout_s
-        refs = train.submit("join_refit_group", addr, port, size, timeout)
+        refs = train.submit("join_refit_group", addr, port, size, timeout, precisions.pop())
         refs += [
             gen.submit_to(i, "join_refit_group", addr, port, i + 1, size, timeout) for i in range(size - 1)
         ]
@@ -294,13 +317,19 @@ class RayGeneration:
         seeds = row_seeds(seed, len(prompts))
         return self._retrying(lambda: self._generate(prompts, params, seeds))
 
+    def _engine_ranks(self) -> list[int]:
+        """The ranks that host an engine: every dedicated worker; colocated, the first rank of each group
+        of ``gen_tp`` training ranks (a tensor-parallel vLLM engine spans its group's GPUs)."""
+        lay = self.runtime.layout
+        return list(range(0, self._engines().world_size, lay.gen_tp if lay.colocated else 1))
+
     def _generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: list[int]
     ) -> list[GenerationResult]:
-        engines = self._engines()
-        shares = split_rows(len(prompts), engines.world_size)
-        outputs: list[WorkerOutput] = engines.run_each(
-            "generate_rows", [([list(p) for p in prompts[a:b]], params, seeds[a:b]) for a, b in shares]
+        ranks = self._engine_ranks()
+        shares = split_rows(len(prompts), len(ranks))
+        outputs: list[WorkerOutput] = self._engines().run_on(
+            ranks, "generate_rows", [([list(p) for p in prompts[a:b]], params, seeds[a:b]) for a, b in shares]
         )
         self.last_metrics = balance_metrics(
             "generation", [o.seconds for o in outputs], [o.tokens for o in outputs]

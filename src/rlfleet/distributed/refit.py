@@ -78,13 +78,19 @@ class RefitGroup:
 
     def receive(self, target: Mapping[str, torch.Tensor], spec: WeightSpec) -> None:
         """Ranks > 0: receives every bucket and copies each tensor into ``target`` in place."""
+        for bucket in self.receive_buckets(spec):
+            for name, tensor in bucket.items():
+                target[name].copy_(tensor)
+
+    def receive_buckets(self, spec: WeightSpec) -> Iterator[dict[str, torch.Tensor]]:
+        """Ranks > 0: yields each received bucket as ``{name: tensor}`` (views of one flat buffer, on this
+        member's device); consume every bucket, since each is a collective with the sender."""
         element = torch.empty((), dtype=self.dtype).element_size()
         for run in buckets(spec, element):
             sizes = [int(torch.Size(shape).numel()) for _, shape in run]
             flat = torch.empty(sum(sizes), dtype=self.dtype, device=self.device)
             self._broadcast(flat)
-            for (name, shape), part in zip(run, flat.split(sizes), strict=True):
-                target[name].copy_(part.view(shape))
+            yield {name: part.view(shape) for (name, shape), part in zip(run, flat.split(sizes), strict=True)}
 
     def close(self) -> None:
         """Drops the group (its store closes with it)."""

@@ -8,8 +8,9 @@ single-process ``PolicyWorker`` step on the same batch.
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from rlfleet.distributed.generation_worker import GenerationWorker, WorkerOutput
 from rlfleet.distributed.parallelize import build_mesh, clip_grad_norm
 from rlfleet.distributed.refit import RefitGroup, WeightSpec, weight_spec
 from rlfleet.generation import SamplingParams
+from rlfleet.generation.vllm import VLLMSettings
 from rlfleet.models.loading import DTYPES, ModelSource
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.build import build_policy_models
@@ -34,6 +36,7 @@ class ShardingSettings:
     tensor_parallel_size: int = 1
     activation_checkpointing: bool = False
     generation_batch_size: int | None = None  # None: no colocated generation engine on this rank
+    generation_vllm: VLLMSettings | None = None  # the colocated engine is vLLM (else HF)
 
 
 class ShardedPolicyWorker(TrainablePolicy):
@@ -75,7 +78,6 @@ class ShardedPolicyWorker(TrainablePolicy):
         self.dp_size = self.mesh["dp"].size()  # overrides TrainablePolicy.dp_size
         self.settings = settings
         self.sharding = sharding
-        self.precision = source.precision  # of the generation engines, so of the refit
         self.tokenizer = source.load_tokenizer()
         models = build_policy_models(
             source,
@@ -87,9 +89,24 @@ class ShardedPolicyWorker(TrainablePolicy):
         self._init_models(models)
         self.generator: GenerationWorker | None = None
         if sharding.generation_batch_size is not None:
-            self.generator = GenerationWorker(source, sharding.generation_batch_size)
+            vllm = self._group_engine(sharding.generation_vllm)
+            if vllm is not None or sharding.generation_vllm is None:
+                self.generator = GenerationWorker(source, sharding.generation_batch_size, vllm)
         self.refit_group: RefitGroup | None = None
         self.busy_seconds = 0.0
+
+    def _group_engine(self, vllm: VLLMSettings | None) -> VLLMSettings | None:
+        """The colocated vLLM engine's settings on the first rank of each group of its tensor-parallel
+        size, spanning the group's GPUs; None on the other ranks (and without vLLM). Collective."""
+        if vllm is None or vllm.tensor_parallel_size == 1:
+            return vllm
+        tp = vllm.tensor_parallel_size
+        devices: list[str] = [""] * self.world_size
+        dist.all_gather_object(devices, os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+        if self.rank % tp:
+            return None
+        group = devices[self.rank : self.rank + tp]
+        return replace(vllm, visible_devices=",".join(group)) if self.device.type == "cuda" else vllm
 
     def placement(self) -> dict[str, int]:
         """This rank's coordinates (for logs and tests)."""
@@ -170,21 +187,30 @@ class ShardedPolicyWorker(TrainablePolicy):
         """Colocated generation on this rank's engine."""
         return self._engine().generate_rows(prompts, params, seeds)
 
+    def engine_tensor_parallel_size(self) -> int:
+        """How many ranks' devices this rank's colocated engine spans (0: it hosts none)."""
+        return 0 if self.generator is None else self.generator.tensor_parallel_size
+
     def refit_colocated(self) -> None:
-        """Copies the current training weights into this rank's engine (collective: all ranks gather)."""
+        """Loads the current training weights into this rank's engine, if it hosts one (collective: all
+        ranks gather)."""
         state = self.full_state_dict(on_every_rank=True)
-        self._engine().load_weights(state)
+        if self.generator is not None:
+            self.generator.load_weights(state)
 
     def weight_spec(self) -> WeightSpec:
         """Names and shapes of the full weights, as rank 0 will broadcast them (collective)."""
         return weight_spec(self.full_state_dict())
 
-    def join_refit_group(self, master_addr: str, master_port: int, size: int, timeout_s: float) -> None:
-        """Rank 0 joins the refit group as its source; other ranks do nothing."""
+    def join_refit_group(
+        self, master_addr: str, master_port: int, size: int, timeout_s: float, precision: str
+    ) -> None:
+        """Rank 0 joins the refit group as its source, sending in the engines' ``precision``; other ranks
+        do nothing."""
         if self.rank == 0:
             if self.refit_group is not None:
                 self.refit_group.close()
-            dtype = DTYPES[self.precision]
+            dtype = DTYPES[precision]
             self.refit_group = RefitGroup(master_addr, master_port, 0, size, timeout_s, dtype)
 
     def send_weights(self, spec: WeightSpec) -> None:
@@ -194,3 +220,8 @@ class ShardedPolicyWorker(TrainablePolicy):
             if self.refit_group is None:
                 raise RuntimeError("join_refit_group must run before send_weights")
             self.refit_group.send(state, spec)
+
+    def close(self) -> None:
+        """Stops this rank's colocated engine (a vLLM engine runs in its own process)."""
+        if self.generator is not None:
+            self.generator.close()

@@ -84,7 +84,10 @@ class _RankHost:
         return getattr(self.worker, method)(*args, **kwargs)
 
     def close(self) -> None:
-        """Leaves the process group."""
+        """Closes the worker (when it has a ``close``: a vLLM engine's process), then leaves the group."""
+        worker, self.worker = self.worker, None
+        if worker is not None and hasattr(worker, "close"):
+            worker.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -137,12 +140,11 @@ class RayWorkerGroup:
         self.timeout_s = timeout_s
         slots = [(pg, i) for pg in placement_groups for i in range(pg.bundle_count)]
         self.world_size = len(slots)
-        use_gpus = any("GPU" in bundle for pg in placement_groups for bundle in pg.bundle_specs)
         remote_host = ray.remote(_RankHost)
         self.actors: list[ray.actor.ActorHandle] = [
             remote_host.options(
                 num_cpus=1,
-                num_gpus=1 if use_gpus else 0,
+                num_gpus=pg.bundle_specs[i].get("GPU", 0),  # the whole bundle's GPUs
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
             ).remote(rank, self.world_size)
             for rank, (pg, i) in enumerate(slots)
@@ -173,10 +175,16 @@ class RayWorkerGroup:
 
     def run_each(self, method: str, per_rank_args: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Calls ``method(*per_rank_args[rank])`` on each rank; results in rank order."""
-        if len(per_rank_args) != self.world_size:
-            raise ValueError(f"{len(per_rank_args)} argument tuples for {self.world_size} ranks")
+        return self.run_on(range(self.world_size), method, per_rank_args)
+
+    def run_on(
+        self, ranks: Sequence[int], method: str, per_rank_args: Sequence[tuple[Any, ...]]
+    ) -> list[Any]:
+        """Calls ``method(*per_rank_args[i])`` on rank ``ranks[i]``; results in that order."""
+        if len(per_rank_args) != len(ranks):
+            raise ValueError(f"{len(per_rank_args)} argument tuples for {len(ranks)} ranks")
         return self._gather(
-            [a.call.remote(method, args, {}) for a, args in zip(self.actors, per_rank_args, strict=True)]
+            [self.submit_to(rank, method, *args) for rank, args in zip(ranks, per_rank_args, strict=True)]
         )
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:

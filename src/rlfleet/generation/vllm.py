@@ -7,9 +7,15 @@ safetensors files of bounded size (the float32 masters cast to the engine dtype)
 worker extension in :mod:`rlfleet.generation.vllm_worker_ext`. With ``load_format="dummy"`` the engine
 starts with random weights and the constructor refits before anything can generate.
 
-On a GPU the engine sleeps between generations (NeMo RL's order): ``sleep(level=1)`` after generating
-frees the KV cache and offloads the weights for training; ``refit`` wakes the weights, loads the new ones,
-then wakes the KV cache. The CPU build has no sleep mode.
+On a GPU shared with training the engine sleeps between generations (NeMo RL's order): ``sleep(level=1)``
+after generating frees the KV cache and offloads the weights for training; ``refit`` wakes the weights,
+loads the new ones, then wakes the KV cache. The CPU build has no sleep mode; a dedicated engine
+(``VLLMSettings.shares_gpu=False``) stays awake.
+
+An engine with no trainer model beside it (a dedicated generation worker on Ray,
+:meth:`VLLMGenerationBackend.receiving`) starts from the config alone with dummy weights; the weights it
+receives (by broadcast) go through :meth:`VLLMGenerationBackend.load_weights`, the same files-and-reload
+path, and it refuses to generate until they have arrived.
 
 Sampling: one request per row seeded with :func:`rlfleet.generation.sampling.row_seeds` (the HF backend's
 per-row seeds, so a row reproduces whatever else is in the batch; vLLM's sampler draws differently from
@@ -21,19 +27,20 @@ distribution).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlfleet.generation.interface import GenerationResult, SamplingParams
 from rlfleet.generation.sampling import row_seeds
@@ -59,6 +66,10 @@ class VLLMSettings:
         tensor_parallel_size: GPUs per engine.
         engine_kwargs: Passed through to ``vllm.LLM`` last (``vllm_cfg.vllm_kwargs``).
         bucket_bytes: Largest weight file written per refit bucket.
+        shares_gpu: The engine shares its GPU with training (colocated): on a GPU it sleeps between
+            generations. A dedicated engine has its GPUs to itself and stays awake.
+        visible_devices: ``CUDA_VISIBLE_DEVICES`` of the engine's processes (a colocated tensor-parallel
+            engine spans its training ranks' GPUs); None: this process's.
     """
 
     precision: str
@@ -70,21 +81,23 @@ class VLLMSettings:
     tensor_parallel_size: int = 1
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     bucket_bytes: int = 256 * 1024**2
+    shares_gpu: bool = True
+    visible_devices: str | None = None
 
 
 def weight_buckets(
-    model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int
+    state: Mapping[str, torch.Tensor], dtype: torch.dtype, bucket_bytes: int
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """The model's state dict (checkpoint names) cast to ``dtype``, grouped into dicts of at most
+    """A state dict (checkpoint names) cast to ``dtype`` on the CPU, grouped into dicts of at most
     ``bucket_bytes`` (a single larger tensor gets a bucket of its own).
 
-    Tied weights appear under each name: vLLM's CPU build keeps a repacked copy of a tied ``lm_head``,
-    which a refit without ``lm_head.weight`` would leave stale. Each tensor is a copy (safetensors refuses
-    shared storage).
+    Pass every name, tied weights included (``model.state_dict()`` lists them under each name): vLLM's
+    CPU build keeps a repacked copy of a tied ``lm_head``, which a refit without ``lm_head.weight`` would
+    leave stale. Each tensor is a copy (safetensors refuses shared storage).
     """
     bucket: dict[str, torch.Tensor] = {}
     size = 0
-    for name, value in model.state_dict().items():
+    for name, value in state.items():
         tensor = value.detach().to("cpu", dtype, copy=True).contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
@@ -102,42 +115,82 @@ def _scratch_dir() -> str:
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
 
 
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """Sets ``os.environ[name]`` for the block (nothing when ``value`` is None), then restores it."""
+    if value is None:
+        yield
+        return
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
 class VLLMGenerationBackend:
     """Samples with a vLLM engine that holds its own copy of the policy's weights.
 
     Args:
-        model: The trainer's model (float32 masters); its state dict is what ``refit`` sends.
+        model: The trainer's model (float32 masters); its state dict is what ``refit`` sends. None for an
+            engine whose weights arrive through ``load_weights`` only (see ``receiving``).
         tokenizer: The policy's tokenizer: saved for the engine, and decodes responses.
         settings: The engine's settings.
+        config: The model's config when ``model`` is None (the engine's architecture).
     """
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: VLLMSettings
+        self,
+        model: PreTrainedModel | None,
+        tokenizer: PreTrainedTokenizerBase,
+        settings: VLLMSettings,
+        *,
+        config: PretrainedConfig | None = None,
     ) -> None:
         if tokenizer.eos_token_id is None:
             raise ValueError("vLLM generation needs a tokenizer with an eos token")
+        if model is not None:
+            config = model.config
+        elif config is None:
+            raise ValueError("pass the trainer's model, or (for an engine refitted by load_weights) a config")
         self.model = model
+        self.config: PretrainedConfig = config
         self.tokenizer = tokenizer
-        self.settings = settings
+        # without a model there are no weights to write: the engine starts dummy and waits for load_weights
+        self.settings = settings if model is not None else replace(settings, load_format="dummy")
         self.dtype = DTYPES[settings.precision]
-        self.sleeps = torch.cuda.is_available()  # sleep mode is a GPU feature
+        self.sleeps = settings.shares_gpu and torch.cuda.is_available()  # sleep mode is a GPU feature
         self.asleep = False
+        self.has_weights = self.settings.load_format == "auto"
         self.llm: Any = None
         self.model_dir = tempfile.mkdtemp(prefix="rlfleet-vllm-model-")
         try:
-            self._write_model_dir(with_weights=settings.load_format == "auto")
+            self._write_model_dir()
             self.llm = self._start_engine()
-            if settings.load_format == "dummy":
+            if model is not None and not self.has_weights:
                 self.refit()  # the engine's random weights never generate
         except BaseException:
             self.close()
             raise
 
-    def _write_model_dir(self, with_weights: bool) -> None:
-        self.model.config.save_pretrained(self.model_dir)
+    @classmethod
+    def receiving(
+        cls, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, settings: VLLMSettings
+    ) -> VLLMGenerationBackend:
+        """An engine with no trainer model beside it: it starts with dummy weights and generates only once
+        ``load_weights`` has given it the policy's (``settings.load_format`` is not used)."""
+        return cls(None, tokenizer, settings, config=config)
+
+    def _write_model_dir(self) -> None:
+        self.config.save_pretrained(self.model_dir)
         self.tokenizer.save_pretrained(self.model_dir)
-        if with_weights:  # vLLM loads every *.safetensors file of the directory
-            for i, bucket in enumerate(weight_buckets(self.model, self.dtype, self.settings.bucket_bytes)):
+        if self.has_weights and self.model is not None:  # vLLM loads every *.safetensors file there
+            buckets = weight_buckets(self.model.state_dict(), self.dtype, self.settings.bucket_bytes)
+            for i, bucket in enumerate(buckets):
                 path = Path(self.model_dir) / f"model-{i + 1:05d}.safetensors"
                 save_file(bucket, str(path), metadata={"format": "pt"})
 
@@ -162,7 +215,8 @@ class VLLMGenerationBackend:
             **s.engine_kwargs,
         }
         start = time.perf_counter()
-        llm = LLM(**kwargs)
+        with _environment("CUDA_VISIBLE_DEVICES", s.visible_devices):  # inherited by the engine's processes
+            llm = LLM(**kwargs)
         log.info(
             "vLLM engine started in %.1f s (%s, max_model_len %d)",
             time.perf_counter() - start,
@@ -173,26 +227,39 @@ class VLLMGenerationBackend:
 
     def refit(self) -> None:
         """Loads the trainer's current weights into the engine (waking it first on a GPU)."""
+        if self.model is None:
+            raise RuntimeError("this engine has no trainer model beside it; its weights come by load_weights")
+        self.load_weights(weight_buckets(self.model.state_dict(), self.dtype, self.settings.bucket_bytes))
+
+    def load_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        """Loads full tensors (checkpoint names, every one of the model's) into the engine.
+
+        Every bucket is written to a safetensors file first (``buckets`` is consumed whole even when the
+        engine then fails: it may be a collective's receiving end), then the engine's workers reload them
+        all at once (``model_runner.reload_weights``, which redoes the CPU kernels' weight repacking).
+        """
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         paths: list[str] = []
+        written = 0
         try:
             prefix = f"rlfleet-refit-{os.getpid()}-{id(self):x}"
-            for i, bucket in enumerate(weight_buckets(self.model, self.dtype, self.settings.bucket_bytes)):
+            for i, bucket in enumerate(buckets):
                 path = os.path.join(_scratch_dir(), f"{prefix}-{i:05d}.safetensors")
                 paths.append(path)
-                save_file(bucket, path)
+                save_file({k: v.to("cpu", self.dtype).contiguous() for k, v in bucket.items()}, path)
+                written += len(bucket)
             loaded = self.llm.collective_rpc("reload_from_files", args=(paths,))
         finally:
             for path in paths:
                 Path(path).unlink(missing_ok=True)
-        expected = len(self.model.state_dict())
-        if any(count != expected for count in loaded):
-            raise RuntimeError(f"vLLM refit loaded {loaded} tensors per worker, expected {expected}")
+        if any(count != written for count in loaded):
+            raise RuntimeError(f"vLLM refit loaded {loaded} tensors per worker, expected {written}")
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()  # cached prompt KV blocks were computed by the old weights
+        self.has_weights = True
 
     def take_metrics(self) -> dict[str, float]:
         """One engine in this process: nothing per worker to report (the loop times the refit)."""
@@ -212,6 +279,8 @@ class VLLMGenerationBackend:
 
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if not self.has_weights:
+            raise RuntimeError("the vLLM engine holds dummy weights: load_weights must run before generating")
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False

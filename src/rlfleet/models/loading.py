@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PretrainedConfig,
@@ -137,6 +138,14 @@ def load_model(name_or_path: str, precision: str, gguf_file: str | None = None) 
     return model
 
 
+def load_config(name_or_path: str, gguf_file: str | None = None) -> PretrainedConfig:
+    """The model's config alone (no weights), as ``load_model`` leaves it: without a GGUF record."""
+    path = resolve_model_path(name_or_path)
+    with _loading("model config", name_or_path), _quiet_gguf(gguf_file):
+        config = AutoConfig.from_pretrained(path, **_gguf_kwargs(path, gguf_file))
+    return drop_gguf_config(config)
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """Where a worker loads the policy from (the fields of ``policy`` that name it).
@@ -158,3 +167,6 @@ class ModelSource:
 
     def load_model(self) -> PreTrainedModel:
         return load_model(self.model_name, self.precision, self.gguf_file)
+
+    def load_config(self) -> PretrainedConfig:
+        return load_config(self.model_name, self.gguf_file)

