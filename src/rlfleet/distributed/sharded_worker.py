@@ -20,6 +20,7 @@ from rlfleet.distributed.parallelize import build_mesh, clip_grad_norm
 from rlfleet.distributed.refit import RefitGroup, WeightSpec, weight_spec
 from rlfleet.generation import SamplingParams
 from rlfleet.models.loading import DTYPES, ModelSource
+from rlfleet.models.lora import LoraSettings, has_adapters, merge_adapters, model_scaling
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.build import build_policy_models
 from rlfleet.policy.logprobs import batch_logprobs
@@ -34,6 +35,7 @@ class ShardingSettings:
     tensor_parallel_size: int = 1
     activation_checkpointing: bool = False
     generation_batch_size: int | None = None  # None: no colocated generation engine on this rank
+    lora: LoraSettings | None = None  # train LoRA adapters only (policy.dtensor_cfg.lora_cfg)
 
 
 class ShardedPolicyWorker(TrainablePolicy):
@@ -83,6 +85,7 @@ class ShardedPolicyWorker(TrainablePolicy):
             activation_checkpointing=sharding.activation_checkpointing,
             keep_reference=keep_reference,
             mesh=self.mesh,
+            lora=sharding.lora,
         )
         self._init_models(models)
         self.generator: GenerationWorker | None = None
@@ -144,7 +147,7 @@ class ShardedPolicyWorker(TrainablePolicy):
         self.busy_seconds += time.perf_counter() - start
         keys = sorted(metrics)
         metrics = dict(zip(keys, self._all_reduce([metrics[k] for k in keys]), strict=True))
-        grad_norm = clip_grad_norm(self.model.parameters(), self.settings.max_grad_norm)
+        grad_norm = clip_grad_norm(self.trainable_parameters(), self.settings.max_grad_norm)
         return self._apply_update(metrics, grad_norm)
 
     def take_busy_seconds(self) -> float:
@@ -156,6 +159,14 @@ class ShardedPolicyWorker(TrainablePolicy):
         """The unsharded weights (on CPU on rank 0 only, or on every rank). Collective: call on all ranks."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=not on_every_rank)
         return get_model_state_dict(self.model, options=options)
+
+    def generation_state_dict(self, *, on_every_rank: bool = False) -> dict[str, torch.Tensor]:
+        """What the generation engines load: the full weights with any LoRA adapters merged in (base
+        names only). Collective: call on all ranks."""
+        state = self.full_state_dict(on_every_rank=on_every_rank)
+        if not state or not has_adapters(self.model):  # ranks > 0 hold nothing unless on_every_rank
+            return state
+        return merge_adapters(state, model_scaling(self.model))
 
     # ---------------------------------------------------------------------------- generation and refit
 
@@ -172,12 +183,12 @@ class ShardedPolicyWorker(TrainablePolicy):
 
     def refit_colocated(self) -> None:
         """Copies the current training weights into this rank's engine (collective: all ranks gather)."""
-        state = self.full_state_dict(on_every_rank=True)
+        state = self.generation_state_dict(on_every_rank=True)
         self._engine().load_weights(state)
 
     def weight_spec(self) -> WeightSpec:
         """Names and shapes of the full weights, as rank 0 will broadcast them (collective)."""
-        return weight_spec(self.full_state_dict())
+        return weight_spec(self.generation_state_dict())
 
     def join_refit_group(self, master_addr: str, master_port: int, size: int, timeout_s: float) -> None:
         """Rank 0 joins the refit group as its source; other ranks do nothing."""
@@ -189,7 +200,7 @@ class ShardedPolicyWorker(TrainablePolicy):
 
     def send_weights(self, spec: WeightSpec) -> None:
         """Dedicated refit: every rank helps gather the full weights; rank 0 broadcasts them."""
-        state = self.full_state_dict()
+        state = self.generation_state_dict()
         if self.rank == 0:
             if self.refit_group is None:
                 raise RuntimeError("join_refit_group must run before send_weights")

@@ -37,6 +37,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlfleet.generation.interface import GenerationResult, SamplingParams
 from rlfleet.generation.sampling import row_seeds
+from rlfleet.models.lora import merged_state_dict
 
 log = logging.getLogger("rlfleet")
 
@@ -75,8 +76,9 @@ class VLLMSettings:
 def weight_buckets(
     model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """The model's state dict (checkpoint names) cast to ``dtype``, grouped into dicts of at most
-    ``bucket_bytes`` (a single larger tensor gets a bucket of its own).
+    """The model's state dict (checkpoint names; LoRA adapters merged into their base weights) cast to
+    ``dtype``, grouped into dicts of at most ``bucket_bytes`` (a larger single tensor gets a bucket of its
+    own).
 
     Tied weights appear under each name: vLLM's CPU build keeps a repacked copy of a tied ``lm_head``,
     which a refit without ``lm_head.weight`` would leave stale. Each tensor is a copy (safetensors refuses
@@ -84,7 +86,7 @@ def weight_buckets(
     """
     bucket: dict[str, torch.Tensor] = {}
     size = 0
-    for name, value in model.state_dict().items():
+    for name, value in merged_state_dict(model).items():
         tensor = value.detach().to("cpu", dtype, copy=True).contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
@@ -186,7 +188,7 @@ class VLLMGenerationBackend:
         finally:
             for path in paths:
                 Path(path).unlink(missing_ok=True)
-        expected = len(self.model.state_dict())
+        expected = len(merged_state_dict(self.model))
         if any(count != expected for count in loaded):
             raise RuntimeError(f"vLLM refit loaded {loaded} tensors per worker, expected {expected}")
         if self.asleep:
