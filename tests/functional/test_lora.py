@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from rlfleet.algorithms.builders import build_backend, lora_settings
 from rlfleet.algorithms.grpo import GRPO
-from rlfleet.checkpoint import export_hf
+from rlfleet.checkpoint import CheckpointError, export_hf
+from rlfleet.cli import main
 from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
 from rlfleet.distributed.sharded_worker import ShardedPolicyWorker, ShardingSettings
 from rlfleet.distributed.worker_group import RayWorkerGroup
@@ -147,8 +148,17 @@ def _params(trainer: GRPO) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.ctx.worker.model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_grpo_with_lora_moves_only_adapters_and_exports(tiny_model_dir: Path, tmp_path: Path) -> None:
-    cfg = small_grpo_config(tiny_model_dir, tmp_path, "grpo.max_num_steps=2", ENABLE, DENSE)
+    cfg = small_grpo_config(
+        tiny_model_dir,
+        tmp_path,
+        "grpo.max_num_steps=2",
+        "grpo.val_period=0",
+        "grpo.val_at_end=false",
+        ENABLE,
+        DENSE,
+    )
     assert cfg.loss_fn.reference_policy_kl_penalty > 0  # the reference is used: adapters off
     trainer = GRPO(cfg)
     worker = trainer.ctx.worker
@@ -168,7 +178,8 @@ def test_grpo_with_lora_moves_only_adapters_and_exports(tiny_model_dir: Path, tm
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, worker.model(ids).logits, rtol=1e-5, atol=1e-5)
 
-    adapter_dir = export_hf(step, tmp_path / "adapter", adapter_only=True)
+    adapter_dir = tmp_path / "adapter"
+    assert main(["export", str(step), str(adapter_dir), "--adapter-only"]) == 0
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     lo = cfg.policy.dtensor_cfg.lora_cfg
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", lo.dim, lo.alpha)
@@ -280,3 +291,17 @@ def test_lora_settings_follow_the_config(tiny_model_dir: Path, tmp_path: Path) -
     settings = lora_settings(cfg)
     assert settings is not None and settings.scaling == 1.0 and settings.target_modules == ("q_proj",)
     assert settings.dropout_position == "pre" and not settings.match_all_linear
+
+
+def test_a_lora_checkpoint_is_not_loaded_into_a_full_policy_or_back(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    lora = _lora_worker(tiny_model_dir, keep_reference=False)
+    lora.save(tmp_path / "lora")
+    full = PolicyWorker(ModelSource(str(tiny_model_dir)), TEST_OPTIMIZER, keep_reference=False)
+    full.save(tmp_path / "full")
+    with pytest.raises(CheckpointError, match=r"(?s)with LoRA adapters.*without.*enabled=true"):
+        full.load(tmp_path / "lora")
+    with pytest.raises(CheckpointError, match=r"(?s)without LoRA adapters.*with them.*enabled=false"):
+        lora.load_weights(tmp_path / "full")
+    lora.load(tmp_path / "lora")
