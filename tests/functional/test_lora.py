@@ -305,3 +305,39 @@ def test_a_lora_checkpoint_is_not_loaded_into_a_full_policy_or_back(
     with pytest.raises(CheckpointError, match=r"(?s)without LoRA adapters.*with them.*enabled=false"):
         lora.load_weights(tmp_path / "full")
     lora.load(tmp_path / "lora")
+
+
+def _snapshot(worker: PolicyWorker | ShardedPolicyWorker) -> dict[str, torch.Tensor]:
+    """The float32 master weights, whole (FSDP2 keeps the root's parameters gathered, in the compute
+    dtype, between a forward pass and the next backward: read them through the state-dict API)."""
+    if isinstance(worker, ShardedPolicyWorker):
+        return {n: v.clone() for n, v in worker.full_state_dict(on_every_rank=True).items()}
+    return {n: p.detach().clone() for n, p in worker.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-process-autocast", "fsdp2-mixed-precision"])
+def test_bf16_lora_trains_float32_adapters_and_scores_the_reference_without_them(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, sharded: bool
+) -> None:
+    source = ModelSource(str(tiny_model_dir), "bfloat16")
+    torch.manual_seed(0)
+    if sharded:
+        request.getfixturevalue("world_of_one")
+        worker: PolicyWorker | ShardedPolicyWorker = ShardedPolicyWorker(
+            source, TEST_OPTIMIZER, ShardingSettings(lora=LORA), keep_reference=True
+        )
+    else:
+        worker = PolicyWorker(source, TEST_OPTIMIZER, keep_reference=True, lora=LORA)
+    batch = worker_batch(worker, noise=0.05)
+    # a fresh adapter (B = 0) adds exact zeros: the reference pass equals the policy's, in bf16 compute too
+    torch.testing.assert_close(
+        worker.logprobs(batch, 4, reference=True), worker.logprobs(batch, 4), rtol=0, atol=0
+    )
+    before = _snapshot(worker)
+    worker.train(batch, pg_loss(0.05), global_batch_size=4, micro_batch_size=2)
+    assert all(p.dtype == torch.float32 for p in worker.trainable_parameters())
+    after = _snapshot(worker)
+    assert set(after) == set(before) and all(v.dtype == torch.float32 for v in after.values())
+    changed = {n for n, v in after.items() if not torch.equal(v, before[n])}
+    assert changed and all(".lora_B." in n for n in changed)  # one step: B moves, A waits for B != 0
+    assert not torch.equal(worker.logprobs(batch, 4), worker.logprobs(batch, 4, reference=True))
