@@ -146,10 +146,12 @@ def test_every_schema_key_is_read_by_some_component(recorded: set[str], tiny_mod
         "data.system_prompt=Be brief.",
     )
     run_eval(ReadRecorder(ev, recorded))  # type: ignore[arg-type]
-    # F: SFT on Ray, one training and one dedicated generation worker (a local Ray it starts and stops).
+    # F: SFT on Ray, one training and one dedicated generation worker (a local Ray it starts and stops);
+    # LoRA, so the broadcast refit sends merged weights.
     on_ray = small_grpo_config(
         tiny_model_dir,
         tmp_path / "f",
+        "policy.dtensor_cfg.lora_cfg.enabled=true",
         "sft.max_num_steps=1",
         "sft.max_val_samples=4",
         "cluster.gpus_per_node=2",

@@ -17,6 +17,7 @@ from rlfleet.algorithms.grpo import GRPO
 from rlfleet.checkpoint import CheckpointError, export_hf
 from rlfleet.cli import main
 from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
+from rlfleet.distributed.parallelize import is_checkpointed
 from rlfleet.distributed.sharded_worker import ShardedPolicyWorker, ShardingSettings
 from rlfleet.distributed.worker_group import RayWorkerGroup
 from rlfleet.generation import HFGenerationBackend
@@ -33,11 +34,17 @@ GREEDY = SamplingParams(max_new_tokens=12, greedy=True)
 TIMEOUT_S = 120.0
 
 
-def _lora_worker(model_dir: Path, keep_reference: bool = True, **kw: object) -> PolicyWorker:
+def _lora_worker(
+    model_dir: Path, keep_reference: bool = True, activation_checkpointing: bool = False, **kw: object
+) -> PolicyWorker:
     torch.manual_seed(0)
     settings = LoraSettings(**{"dim": 4, "alpha": 8.0, **kw})  # type: ignore[arg-type]
     return PolicyWorker(
-        ModelSource(str(model_dir)), TEST_OPTIMIZER, keep_reference=keep_reference, lora=settings
+        ModelSource(str(model_dir)),
+        TEST_OPTIMIZER,
+        keep_reference=keep_reference,
+        activation_checkpointing=activation_checkpointing,
+        lora=settings,
     )
 
 
@@ -57,8 +64,9 @@ def _adapter_names(model: torch.nn.Module) -> set[str]:
 def test_only_adapters_train_and_the_optimizer_checkpoint_holds_only_theirs(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    worker = _lora_worker(tiny_model_dir)
+    worker = _lora_worker(tiny_model_dir, activation_checkpointing=True)  # gradients reach frozen-base layers
     model = worker.model
+    assert is_checkpointed(model)
     adapters = _adapter_names(model)
     assert len(adapters) == 2 * 7 * 2  # 7 projections in each of 2 layers; lm_head is tied: not adapted
     in_optimizer = {id(p) for group in worker.optimizer.param_groups for p in group["params"]}
