@@ -14,9 +14,9 @@ The rules, the same on every path (one device or many, CPU or GPU):
 * **Activation checkpointing** is the per-decoder-layer non-reentrant wrap (``checkpoint_layers``).
 * **LoRA** (``lora`` settings): the adapters are injected into the float32 model before it is sharded, so
   FSDP2 shards each with its decoder layer; only they train (float32, so AdamW's state is theirs alone).
-  The base weights stay float32 and frozen: forward passes compute exactly as without LoRA, and a merge
-  ``W + s B A`` is exact in float32. The reference is the policy with its adapters off
-  (``WithoutAdapters``): no second copy of the weights.
+  The base weights stay float32 and frozen (no gradients, no optimizer state): the base path computes
+  exactly as without LoRA, and the merge ``W + s B A`` for generation engines runs in float32. The reference
+  is the policy with its adapters off (``WithoutAdapters``): no second copy of the weights.
 
 The in-process ``PolicyWorker`` is the no-mesh (world size 1) case of ``build_policy_models``; the
 ``ShardedPolicyWorker`` passes its ``("dp", "tp")`` mesh.
