@@ -114,7 +114,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from rlfleet.checkpoint import export_hf
 
-    out = export_hf(Path(args.checkpoint), Path(args.out_dir))
+    out = export_hf(Path(args.checkpoint), Path(args.out_dir), adapter_only=args.adapter_only)
     print(f"exported {args.checkpoint} -> {out}")
     return 0
 
@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
     p.add_argument("checkpoint", help="a step_N checkpoint directory")
     p.add_argument("out_dir")
+    p.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA run: write the adapter alone in PEFT's format (adapter_config.json + "
+        "adapter_model.safetensors) instead of the merged model",
+    )
     p.set_defaults(func=cmd_export)
     add_deploy_commands(sub)
     p = sub.add_parser("demo", help="the embedded default: tiny model, SFT warm start, GRPO (CPU, offline)")

@@ -4,7 +4,8 @@ Memory assumptions (FSDP2 mixed precision as NeMo RL's DTensor path runs it): fp
 gradients and fp32 AdamW moments (m and v), all sharded over every training GPU (FSDP over data parallel,
 DTensor over tensor parallel); bf16 compute copies and activations come on top. Generation workers hold
 the weights in the policy precision, split over their tensor-parallel group, and the rest of
-``gpu_memory_utilization`` goes to the KV cache.
+``gpu_memory_utilization`` goes to the KV cache. With LoRA the frozen base weights stay fp32 (sharded) and
+only the adapters have gradients and AdamW moments.
 """
 
 from __future__ import annotations
@@ -30,6 +31,31 @@ def count_parameters(a: ArchitectureConfig) -> int:
     return a.num_hidden_layers * (attention + mlp + norms) + embeddings + a.hidden_size
 
 
+def count_lora_parameters(cfg: MasterConfig) -> int:
+    """Adapter parameters ``policy.dtensor_cfg.lora_cfg`` adds to ``policy.architecture`` (Llama layout).
+
+    Raises:
+        LoraTargetError: A ``target_modules``/``exclude_modules`` pattern names no linear of that layout.
+    """
+    from rlfleet.algorithms.builders import lora_settings  # the one translation of lora_cfg
+    from rlfleet.models.lora import adapter_parameter_count, linear_shapes, select_targets
+
+    a, settings = cfg.policy.architecture, lora_settings(cfg)
+    if a is None or settings is None:
+        raise ValueError("count_lora_parameters needs policy.architecture and lora_cfg.enabled=true")
+    shapes = linear_shapes(
+        hidden=a.hidden_size,
+        heads=a.num_attention_heads,
+        kv_heads=a.num_key_value_heads,
+        head_dim=a.head_dim or a.hidden_size // a.num_attention_heads,
+        intermediate=a.intermediate_size,
+        layers=a.num_hidden_layers,
+        vocab=a.vocab_size,
+    )
+    tied = {"lm_head"} if a.tie_word_embeddings else set()
+    return adapter_parameter_count(shapes, select_targets(list(shapes), tied, settings), settings.dim)
+
+
 @dataclass(frozen=True)
 class Plan:
     layout: ResourceLayout
@@ -37,6 +63,7 @@ class Plan:
     optimizer_steps_per_step: int
     micro_batches_per_optimizer_step: int
     parameters: int | None
+    trainable_parameters: int | None  # all parameters, or the LoRA adapters' count
     gen_memory_utilization: float
     gen_max_model_len: int
     gen_engine: str | None  # the vLLM engine's settings in one line; None with the HF backend
@@ -44,11 +71,13 @@ class Plan:
     def training_memory_gib(self) -> dict[str, float]:
         if self.parameters is None:
             return {}
-        shard = self.parameters / self.layout.train_world
+        world = self.layout.train_world
+        shard = self.parameters / world
+        trained = (self.trainable_parameters or self.parameters) / world
         return {
             "weights (fp32)": 4 * shard / GIB,
-            "gradients (fp32)": 4 * shard / GIB,
-            "optimizer (AdamW m, v fp32)": 8 * shard / GIB,
+            "gradients (fp32)": 4 * trained / GIB,
+            "optimizer (AdamW m, v fp32)": 8 * trained / GIB,
         }
 
 
@@ -57,6 +86,16 @@ def make_plan(cfg: MasterConfig) -> tuple[Plan, list[str]]:
     g, p = cfg.grpo, cfg.policy
     samples = g.num_prompts_per_step * g.num_generations_per_prompt
     arch = p.architecture
+    parameters = count_parameters(arch) if arch is not None else None
+    trainable = parameters
+    if parameters is not None and p.dtensor_cfg.lora_cfg.enabled:
+        from rlfleet.models.lora import LoraTargetError
+
+        try:
+            trainable = count_lora_parameters(cfg)
+        except LoraTargetError as err:
+            problems = [*problems, str(err)]
+            trainable = None
     plan = Plan(
         layout=layout,
         samples_per_step=samples,
@@ -64,7 +103,8 @@ def make_plan(cfg: MasterConfig) -> tuple[Plan, list[str]]:
         micro_batches_per_optimizer_step=max(
             p.train_global_batch_size // max(layout.train_dp * p.train_micro_batch_size, 1), 1
         ),
-        parameters=count_parameters(arch) if arch is not None else None,
+        parameters=parameters,
+        trainable_parameters=trainable,
         gen_memory_utilization=p.generation.vllm_cfg.gpu_memory_utilization,
         gen_max_model_len=p.generation.vllm_cfg.max_model_len or p.max_total_sequence_length,
         gen_engine=vllm_engine_summary(cfg) if p.generation.backend == "vllm" else None,
@@ -159,6 +199,13 @@ def format_plan(cfg: MasterConfig, plan: Plan, recipe: str) -> str:
         return "\n".join(lines)
     lay, p = plan.layout, cfg.policy
     lines.append(f"  {'model':<20}{p.model_name}: {plan.parameters / 1e9:.2f}B parameters")
+    if p.dtensor_cfg.lora_cfg.enabled and plan.trainable_parameters is not None:
+        lo, trained = p.dtensor_cfg.lora_cfg, plan.trainable_parameters
+        lines.append(
+            f"  {'LoRA':<20}dim {lo.dim}, alpha {lo.alpha:g}: {trained:,} trainable parameters "
+            f"({100 * trained / plan.parameters:.2f}%); AdamW state {8 * trained / 2**20:,.1f} MiB "
+            f"vs {8 * plan.parameters / 2**20:,.1f} MiB for full fine-tuning"
+        )
     mem = plan.training_memory_gib()
     lines.append(f"  memory per training GPU (sharded over {lay.train_world}; activations excluded):")
     lines += [f"    {name:<30}{gib:8.1f} GiB" for name, gib in mem.items()]

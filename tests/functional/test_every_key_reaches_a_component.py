@@ -98,9 +98,21 @@ def test_every_schema_key_is_read_by_some_component(recorded: set[str], tiny_mod
         "data.max_input_seq_length=200",
     )
     GRPO(ReadRecorder(cfg, recorded)).train()  # type: ignore[arg-type]
-    # B: SFT.
+    # B: SFT with LoRA adapters on some projections.
     sft_cfg = small_grpo_config(
-        tiny_model_dir, tmp_path / "b", "sft.max_num_steps=1", "sft.max_val_samples=4"
+        tiny_model_dir,
+        tmp_path / "b",
+        "sft.max_num_steps=1",
+        "sft.max_val_samples=4",
+        "policy.dtensor_cfg.lora_cfg.enabled=true",
+        "policy.dtensor_cfg.lora_cfg.match_all_linear=false",
+        "policy.dtensor_cfg.lora_cfg.target_modules=[*_proj]",
+        "policy.dtensor_cfg.lora_cfg.exclude_modules=[model.layers.0.mlp.down_proj]",
+        "policy.dtensor_cfg.lora_cfg.dim=4",
+        "policy.dtensor_cfg.lora_cfg.alpha=16",
+        "policy.dtensor_cfg.lora_cfg.dropout=0.1",
+        "policy.dtensor_cfg.lora_cfg.dropout_position=pre",
+        "policy.dtensor_cfg.lora_cfg.lora_A_init=uniform",
     )
     SFT(ReadRecorder(sft_cfg, recorded)).train()  # type: ignore[arg-type]
     # C: GRPO on a local GSM8k-format file with prompt and system-prompt files, tokenizer named apart.
@@ -134,10 +146,12 @@ def test_every_schema_key_is_read_by_some_component(recorded: set[str], tiny_mod
         "data.system_prompt=Be brief.",
     )
     run_eval(ReadRecorder(ev, recorded))  # type: ignore[arg-type]
-    # F: SFT on Ray, one training and one dedicated generation worker (a local Ray it starts and stops).
+    # F: SFT on Ray, one training and one dedicated generation worker (a local Ray it starts and stops);
+    # LoRA, so the broadcast refit sends merged weights.
     on_ray = small_grpo_config(
         tiny_model_dir,
         tmp_path / "f",
+        "policy.dtensor_cfg.lora_cfg.enabled=true",
         "sft.max_num_steps=1",
         "sft.max_val_samples=4",
         "cluster.gpus_per_node=2",

@@ -27,6 +27,7 @@ from rlfleet.data import (
 from rlfleet.distributed.sharded_worker import ShardingSettings
 from rlfleet.generation import GenerationBackend, HFGenerationBackend, VLLMGenerationBackend, VLLMSettings
 from rlfleet.models.loading import ModelSource
+from rlfleet.models.lora import LoraSettings
 from rlfleet.policy.interface import Policy
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
 from rlfleet.rewards import ScoringPool, VerifierPool
@@ -58,6 +59,23 @@ def optimizer_settings(cfg: MasterConfig) -> OptimizerSettings:
     )
 
 
+def lora_settings(cfg: MasterConfig) -> LoraSettings | None:
+    """``policy.dtensor_cfg.lora_cfg`` for the model builder; None when LoRA is off."""
+    lo = cfg.policy.dtensor_cfg.lora_cfg
+    if not lo.enabled:
+        return None
+    return LoraSettings(
+        dim=lo.dim,
+        alpha=lo.alpha,
+        dropout=lo.dropout,
+        dropout_position=lo.dropout_position,
+        lora_A_init=lo.lora_A_init,
+        target_modules=tuple(lo.target_modules),
+        exclude_modules=tuple(lo.exclude_modules),
+        match_all_linear=lo.match_all_linear,
+    )
+
+
 def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> PolicyWorker:
     """Loads the policy named by ``policy.model_name`` into an in-process worker with its optimizer."""
     settings = optimizer_settings(cfg)
@@ -69,6 +87,7 @@ def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> Polic
         settings,
         keep_reference=keep_reference,
         activation_checkpointing=cfg.policy.dtensor_cfg.activation_checkpointing,
+        lora=lora_settings(cfg),
     )
 
 
@@ -133,7 +152,11 @@ def build_policy(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> tuple
         layout,
         source,
         optimizer_settings(cfg),
-        ShardingSettings(p.dtensor_cfg.tensor_parallel_size, p.dtensor_cfg.activation_checkpointing),
+        ShardingSettings(
+            p.dtensor_cfg.tensor_parallel_size,
+            p.dtensor_cfg.activation_checkpointing,
+            lora=lora_settings(cfg),
+        ),
         generation_batch_size=p.generation.batch_size,
         vllm=ray_vllm_settings(cfg, seed) if p.generation.backend == "vllm" else None,
         keep_reference=keep_reference,

@@ -39,6 +39,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from rlfleet.checkpoint.manifest import CheckpointError
+from rlfleet.models.lora import has_adapters, is_adapter_key
+
 logger = logging.getLogger(__name__)
 
 POLICY_DIR = "policy"
@@ -172,6 +175,22 @@ def save_policy(
             tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
 
 
+def _require_same_adapters(weights: Path, model: nn.Module) -> None:
+    """Raises ``CheckpointError`` when the checkpoint and ``model`` disagree on having LoRA adapters:
+    DCP loads only the keys asked for, so a mismatch would otherwise load half a policy silently."""
+    saved = any(is_adapter_key(k) for k in dcp.FileSystemReader(weights).read_metadata().state_dict_metadata)
+    if saved == has_adapters(model):
+        return
+    wrote, built = ("with", "without") if saved else ("without", "with")
+    step_dir = weights.parent.parent
+    raise CheckpointError(
+        step_dir,
+        [f"written by a run {wrote} LoRA adapters, but this policy is built {built} them"],
+        f"checkpoint {step_dir} does not fit the policy:",
+        fix=f"fix: policy.dtensor_cfg.lora_cfg.enabled={str(saved).lower()} (as in the run that wrote it)",
+    )
+
+
 def load_policy(
     dir: Path,
     model: nn.Module,
@@ -198,6 +217,7 @@ def load_policy(
         _require_dcp(src / OPTIMIZER_DIR, "optimizer")
     if scheduler is not None and not (src / SCHEDULER_FILE).is_file():
         raise FileNotFoundError(f"No LR scheduler state at {src / SCHEDULER_FILE}; pass scheduler=None.")
+    _require_same_adapters(src / WEIGHTS_DIR, model)
     with _dcp_context() as no_dist:
         optim_state: dict[str, Any] | None = None
         if optimizer is not None:

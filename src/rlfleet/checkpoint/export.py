@@ -1,7 +1,9 @@
-"""Export an rlfleet (DCP) checkpoint to a Hugging Face ``save_pretrained`` directory."""
+"""Export an rlfleet (DCP) checkpoint to a Hugging Face ``save_pretrained`` directory, or its LoRA adapter
+alone in PEFT's format."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from pathlib import Path
@@ -9,11 +11,18 @@ from typing import Any
 
 import torch
 import yaml
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from rlfleet.checkpoint.dcp_io import TOKENIZER_DIR, load_model_state_dict, policy_dir
 from rlfleet.checkpoint.manager import CONFIG_FILE, is_complete_checkpoint, verify_checkpoint
+from rlfleet.config.schema import LoraConfig
 from rlfleet.models.loading import DTYPES, drop_gguf_config, resolve_model_path
+from rlfleet.models.lora import adapter_state, merge_adapters
+
+PEFT_PREFIX = "base_model.model."  # PEFT's key prefix for a causal LM's modules
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 
 logger = logging.getLogger(__name__)
 
@@ -101,18 +110,69 @@ def _load_weights(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], m
         )
 
 
-def export_hf(checkpoint_path: Path, out_dir: Path) -> Path:
-    """Convert a checkpoint step directory to a Hugging Face model directory.
+def _lora_from_config(checkpoint_path: Path) -> LoraConfig:
+    """``policy.dtensor_cfg.lora_cfg`` of the recipe saved with the checkpoint (defaults where unset)."""
+    with (checkpoint_path / CONFIG_FILE).open(encoding="utf-8") as handle:
+        recipe = yaml.safe_load(handle) or {}
+    raw: Any = recipe
+    for key in ("policy", "dtensor_cfg", "lora_cfg"):
+        raw = raw.get(key) if isinstance(raw, dict) else None
+    return LoraConfig.model_validate(raw or {})
+
+
+def peft_adapter_config(lora: LoraConfig, target_modules: list[str], base_model: str) -> dict[str, Any]:
+    """PEFT's ``adapter_config.json`` for adapters on ``target_modules`` (full module names)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.dim,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": target_modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+
+
+def write_peft_adapter(
+    adapters: dict[str, torch.Tensor], lora: LoraConfig, base_model: str, out_dir: Path
+) -> Path:
+    """Writes ``adapter_config.json`` and ``adapter_model.safetensors`` (keys
+    ``base_model.model.<module>.lora_A.weight``): ``PeftModel.from_pretrained(base, out_dir)`` loads them.
+
+    PEFT puts its dropout on the adapter's input (``dropout_position: pre``); inference runs no dropout,
+    so the loaded model is the trained one whatever the position.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    targets = sorted({name.rsplit(".", 2)[0] for name in adapters})
+    tensors = {PEFT_PREFIX + name: value.detach().contiguous() for name, value in adapters.items()}
+    save_file(tensors, str(out_dir / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+    config = peft_adapter_config(lora, targets, base_model)
+    (out_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out_dir
+
+
+def export_hf(checkpoint_path: Path, out_dir: Path, *, adapter_only: bool = False) -> Path:
+    """Convert a checkpoint step directory to a Hugging Face model directory (or a PEFT adapter).
 
     The architecture comes from ``policy.model_name`` in the checkpoint's ``config.yaml``; the
     weights from ``policy/weights`` (DCP); the tokenizer from ``policy/tokenizer`` when present.
     The result loads with ``AutoModelForCausalLM.from_pretrained(out_dir)`` (safetensors). Checkpoints
     hold float32 master weights; the export is written in the run's ``policy.precision`` (its compute
-    dtype: a bfloat16 run exports bfloat16, half the size).
+    dtype: a bfloat16 run exports bfloat16, half the size). A LoRA run's adapters are merged into the base
+    weights (``W + alpha/dim * B A``, in float32); with ``adapter_only`` the adapters alone are written in
+    PEFT's format instead (float32, ``adapter_config.json`` + ``adapter_model.safetensors``).
 
     Args:
         checkpoint_path: A complete ``step_N`` directory.
         out_dir: Destination directory (created if needed; existing files are overwritten).
+        adapter_only: Write the LoRA adapter alone (a LoRA run's checkpoint only).
 
     Returns:
         ``out_dir``.
@@ -120,7 +180,8 @@ def export_hf(checkpoint_path: Path, out_dir: Path) -> Path:
     Raises:
         FileNotFoundError: ``checkpoint_path`` is not a complete checkpoint.
         CheckpointError: Its files do not match its ``manifest.json`` (truncated, missing or altered).
-        ValueError: The recipe lacks ``policy.model_name`` or the weights do not fit its architecture.
+        ValueError: The recipe lacks ``policy.model_name``, the weights do not fit its architecture, or
+            ``adapter_only`` on a checkpoint without adapters.
     """
     checkpoint_path = Path(checkpoint_path)
     out_dir = Path(out_dir)
@@ -128,6 +189,19 @@ def export_hf(checkpoint_path: Path, out_dir: Path) -> Path:
     verify_checkpoint(checkpoint_path)
     model_name, gguf_file, precision = _model_name_from_config(checkpoint_path)
     state_dict = load_model_state_dict(checkpoint_path)
+    adapters = adapter_state(state_dict)
+    lora = _lora_from_config(checkpoint_path) if adapters else None
+    if adapter_only:
+        if lora is None:
+            raise ValueError(
+                f"{checkpoint_path} holds no LoRA adapters (policy.dtensor_cfg.lora_cfg.enabled was false); "
+                "export the whole model instead (drop --adapter-only)"
+            )
+        write_peft_adapter(adapters, lora, model_name, out_dir)
+        logger.info("Exported the LoRA adapter of %s to %s", checkpoint_path, out_dir)
+        return out_dir
+    if lora is not None:
+        state_dict = merge_adapters(state_dict, lora.alpha / lora.dim)
     model = build_model_from_name(model_name, gguf_file=gguf_file)
     _load_weights(model, state_dict, model_name)
     if precision is not None:

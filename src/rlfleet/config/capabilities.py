@@ -58,6 +58,13 @@ def unsupported_settings(cfg: MasterConfig, *, here: bool = True) -> list[str]:
                 f"policy.dtensor_cfg.{key}: got true, but this build does not implement it yet; "
                 f"fix: policy.dtensor_cfg.{key}=false"
             )
+    if d.lora_cfg.enabled and d.tensor_parallel_size > 1:
+        problems.append(
+            f"policy.dtensor_cfg.lora_cfg.enabled=true with tensor_parallel_size={d.tensor_parallel_size}: "
+            "this build does not split LoRA adapters over tensor-parallel ranks (the adapted projections "
+            "would need their own column/row plans); fix: policy.dtensor_cfg.tensor_parallel_size=1 "
+            "(FSDP2 still shards the model over every GPU), or lora_cfg.enabled=false"
+        )
     if cfg.policy.generation.backend == "vllm":
         problems += _vllm_problems(cfg, here)
     return problems

@@ -210,12 +210,62 @@ class GenerationConfig(Strict):
     vllm_cfg: VllmConfig = VllmConfig()
 
 
+class LoraConfig(Strict):
+    """LoRA adapters on the policy's linear layers (NeMo RL's DTensor ``lora_cfg``).
+
+    Only the adapters train (float32, in AdamW and its checkpoint); the base weights are frozen. The KL
+    reference is the policy with its adapters off (no second copy of the weights); generation engines
+    receive the merged weights ``W + alpha/dim * B A``.
+    """
+
+    enabled: bool = Field(False, description="Train LoRA adapters instead of every weight.")
+    target_modules: list[str] = Field(
+        default_factory=list,
+        description="Linear layers to adapt (with match_all_linear=false): a full module name, its dotted "
+        "suffix (q_proj) or a '*' pattern over the full name (model.layers.0.*).",
+    )
+    exclude_modules: list[str] = Field(
+        default_factory=list, description="Linear layers never adapted (same patterns as target_modules)."
+    )
+    match_all_linear: bool = Field(
+        True,
+        description="Adapt every linear layer (lm_head included) except exclude_modules and a weight tied "
+        "to the embeddings (tie_word_embeddings), which a merged refit could not express.",
+    )
+    dim: int = Field(8, ge=1, description="Rank r of the adapters.")
+    alpha: float = Field(32, gt=0.0, description="Scale: the adapter output is multiplied by alpha / dim.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability on the adapter path.")
+    dropout_position: Literal["pre", "post"] = Field(
+        "post", description="Dropout on the adapter's input (pre) or its output (post)."
+    )
+    lora_A_init: Literal["xavier", "uniform"] = Field(
+        "xavier", description="Initialisation of A: xavier (normal) or uniform (Kaiming); B starts at zero."
+    )
+
+    @model_validator(mode="after")
+    def _one_way_to_choose(self) -> LoraConfig:
+        if self.enabled and self.match_all_linear and self.target_modules:
+            raise ValueError(
+                f"policy.dtensor_cfg.lora_cfg.target_modules={self.target_modules} with "
+                "match_all_linear=true: match_all_linear adapts every linear layer, so the list would be "
+                "ignored; fix: match_all_linear=false to adapt only target_modules, or target_modules=[]"
+            )
+        if self.enabled and not self.match_all_linear and not self.target_modules:
+            raise ValueError(
+                "policy.dtensor_cfg.lora_cfg: match_all_linear=false and target_modules is empty, so no "
+                "layer would be adapted; fix: target_modules=[q_proj,v_proj] (for example), or "
+                "match_all_linear=true"
+            )
+        return self
+
+
 class DTensorConfig(Strict):
     enabled: bool = True
     tensor_parallel_size: int = Field(1, ge=1)
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     sequence_parallel: bool = False
+    lora_cfg: LoraConfig = LoraConfig()
 
 
 class TokenizerConfig(Strict):

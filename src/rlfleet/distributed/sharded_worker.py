@@ -22,6 +22,7 @@ from rlfleet.distributed.refit import RefitGroup, WeightSpec, weight_spec
 from rlfleet.generation import SamplingParams
 from rlfleet.generation.vllm import VLLMSettings
 from rlfleet.models.loading import DTYPES, ModelSource
+from rlfleet.models.lora import LoraSettings, has_adapters, merge_adapters, model_scaling
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.build import build_policy_models
 from rlfleet.policy.logprobs import batch_logprobs
@@ -37,6 +38,7 @@ class ShardingSettings:
     activation_checkpointing: bool = False
     generation_batch_size: int | None = None  # None: no colocated generation engine on this rank
     generation_vllm: VLLMSettings | None = None  # the colocated engine is vLLM (else HF)
+    lora: LoraSettings | None = None  # train LoRA adapters only (policy.dtensor_cfg.lora_cfg)
 
 
 class ShardedPolicyWorker(TrainablePolicy):
@@ -85,6 +87,7 @@ class ShardedPolicyWorker(TrainablePolicy):
             activation_checkpointing=sharding.activation_checkpointing,
             keep_reference=keep_reference,
             mesh=self.mesh,
+            lora=sharding.lora,
         )
         self._init_models(models)
         self.generator: GenerationWorker | None = None
@@ -161,7 +164,7 @@ class ShardedPolicyWorker(TrainablePolicy):
         self.busy_seconds += time.perf_counter() - start
         keys = sorted(metrics)
         metrics = dict(zip(keys, self._all_reduce([metrics[k] for k in keys]), strict=True))
-        grad_norm = clip_grad_norm(self.model.parameters(), self.settings.max_grad_norm)
+        grad_norm = clip_grad_norm(self.trainable_parameters(), self.settings.max_grad_norm)
         return self._apply_update(metrics, grad_norm)
 
     def take_busy_seconds(self) -> float:
@@ -173,6 +176,14 @@ class ShardedPolicyWorker(TrainablePolicy):
         """The unsharded weights (on CPU on rank 0 only, or on every rank). Collective: call on all ranks."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=not on_every_rank)
         return get_model_state_dict(self.model, options=options)
+
+    def generation_state_dict(self, *, on_every_rank: bool = False) -> dict[str, torch.Tensor]:
+        """What the generation engines load: the full weights with any LoRA adapters merged in (base
+        names only). Collective: call on all ranks."""
+        state = self.full_state_dict(on_every_rank=on_every_rank)
+        if not state or not has_adapters(self.model):  # ranks > 0 hold nothing unless on_every_rank
+            return state
+        return merge_adapters(state, model_scaling(self.model))
 
     # ---------------------------------------------------------------------------- generation and refit
 
@@ -192,15 +203,15 @@ class ShardedPolicyWorker(TrainablePolicy):
         return 0 if self.generator is None else self.generator.tensor_parallel_size
 
     def refit_colocated(self) -> None:
-        """Loads the current training weights into this rank's engine, if it hosts one (collective: all
-        ranks gather)."""
-        state = self.full_state_dict(on_every_rank=True)
+        """Loads the current training weights (LoRA adapters merged) into this rank's engine, if it hosts
+        one (collective: all ranks gather)."""
+        state = self.generation_state_dict(on_every_rank=True)
         if self.generator is not None:
             self.generator.load_weights(state)
 
     def weight_spec(self) -> WeightSpec:
         """Names and shapes of the full weights, as rank 0 will broadcast them (collective)."""
-        return weight_spec(self.full_state_dict())
+        return weight_spec(self.generation_state_dict())
 
     def join_refit_group(
         self, master_addr: str, master_port: int, size: int, timeout_s: float, precision: str
@@ -215,7 +226,7 @@ class ShardedPolicyWorker(TrainablePolicy):
 
     def send_weights(self, spec: WeightSpec) -> None:
         """Dedicated refit: every rank helps gather the full weights; rank 0 broadcasts them."""
-        state = self.full_state_dict()
+        state = self.generation_state_dict()
         if self.rank == 0:
             if self.refit_group is None:
                 raise RuntimeError("join_refit_group must run before send_weights")

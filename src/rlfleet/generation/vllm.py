@@ -44,6 +44,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from rlfleet.generation.interface import GenerationResult, SamplingParams
 from rlfleet.generation.sampling import row_seeds
+from rlfleet.models.lora import merged_state_dict
 
 log = logging.getLogger("rlfleet")
 
@@ -88,8 +89,9 @@ class VLLMSettings:
 def weight_buckets(
     state: Mapping[str, torch.Tensor], dtype: torch.dtype, bucket_bytes: int
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """A state dict (checkpoint names) cast to ``dtype`` on the CPU, grouped into dicts of at most
-    ``bucket_bytes`` (a single larger tensor gets a bucket of its own).
+    """A state dict (checkpoint names; a LoRA model's adapters already merged, see ``merged_state_dict``)
+    cast to ``dtype`` on the CPU, grouped into dicts of at most ``bucket_bytes`` (a single larger tensor gets
+    a bucket of its own).
 
     Pass every name, tied weights included (``model.state_dict()`` lists them under each name): vLLM's
     CPU build keeps a repacked copy of a tied ``lm_head``, which a refit without ``lm_head.weight`` would
@@ -189,7 +191,7 @@ class VLLMGenerationBackend:
         self.config.save_pretrained(self.model_dir)
         self.tokenizer.save_pretrained(self.model_dir)
         if self.has_weights and self.model is not None:  # vLLM loads every *.safetensors file there
-            buckets = weight_buckets(self.model.state_dict(), self.dtype, self.settings.bucket_bytes)
+            buckets = weight_buckets(merged_state_dict(self.model), self.dtype, self.settings.bucket_bytes)
             for i, bucket in enumerate(buckets):
                 path = Path(self.model_dir) / f"model-{i + 1:05d}.safetensors"
                 save_file(bucket, str(path), metadata={"format": "pt"})
@@ -229,7 +231,7 @@ class VLLMGenerationBackend:
         """Loads the trainer's current weights into the engine (waking it first on a GPU)."""
         if self.model is None:
             raise RuntimeError("this engine has no trainer model beside it; its weights come by load_weights")
-        self.load_weights(weight_buckets(self.model.state_dict(), self.dtype, self.settings.bucket_bytes))
+        self.load_weights(weight_buckets(merged_state_dict(self.model), self.dtype, self.settings.bucket_bytes))
 
     def load_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
         """Loads full tensors (checkpoint names, every one of the model's) into the engine.

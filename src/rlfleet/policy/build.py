@@ -12,6 +12,11 @@ The rules, the same on every path (one device or many, CPU or GPU):
 * **The frozen reference is held in the compute dtype** (it is never updated, so nothing rounds away),
   sharded like the policy but without mixed precision.
 * **Activation checkpointing** is the per-decoder-layer non-reentrant wrap (``checkpoint_layers``).
+* **LoRA** (``lora`` settings): the adapters are injected into the float32 model before it is sharded, so
+  FSDP2 shards each with its decoder layer; only they train (float32, so AdamW's state is theirs alone).
+  The base weights stay float32 and frozen (no gradients, no optimizer state): the base path computes
+  exactly as without LoRA, and the merge ``W + s B A`` for generation engines runs in float32. The reference
+  is the policy with its adapters off (``WithoutAdapters``): no second copy of the weights.
 
 The in-process ``PolicyWorker`` is the no-mesh (world size 1) case of ``build_policy_models``; the
 ``ShardedPolicyWorker`` passes its ``("dp", "tp")`` mesh.
@@ -28,6 +33,7 @@ from transformers import PreTrainedModel
 
 from rlfleet.distributed.parallelize import checkpoint_layers, parallelize
 from rlfleet.models.loading import DTYPES, ModelSource, load_model
+from rlfleet.models.lora import LoraSettings, WithoutAdapters, apply_lora
 
 MASTER_DTYPE = torch.float32
 
@@ -38,14 +44,15 @@ class PolicyModels:
 
     Attributes:
         model: The trainable policy: float32 parameters (FSDP2-sharded when built with a mesh).
-        reference: A frozen copy of the initial weights in the compute dtype, or None.
+        reference: A frozen copy of the initial weights in the compute dtype, the policy with its
+            adapters off (LoRA), or None.
         compute_dtype: ``policy.precision`` as a torch dtype.
         autocast_dtype: The dtype forward passes must run under ``torch.autocast`` with
             (``compute_autocast``); None when nothing is to be cast (float32 compute, or FSDP2 casts).
     """
 
     model: PreTrainedModel
-    reference: PreTrainedModel | None
+    reference: PreTrainedModel | WithoutAdapters | None
     compute_dtype: torch.dtype
     autocast_dtype: torch.dtype | None
 
@@ -67,6 +74,7 @@ def build_policy_models(
     activation_checkpointing: bool,
     keep_reference: bool,
     mesh: DeviceMesh | None = None,
+    lora: LoraSettings | None = None,
 ) -> PolicyModels:
     """Loads the trainable policy with float32 master weights (and optionally a frozen reference).
 
@@ -79,6 +87,7 @@ def build_policy_models(
         keep_reference: Also build a frozen copy of the initial weights.
         mesh: A ``("dp", "tp")`` mesh (``build_mesh``): tensor-parallel over ``"tp"``, FSDP2-sharded
             over ``"dp"``; None keeps the model whole in this process.
+        lora: Train LoRA adapters on the linears it selects (the rest frozen); None trains every weight.
 
     Returns:
         The models, the compute dtype, and whether forward passes need ``compute_autocast``.
@@ -86,13 +95,18 @@ def build_policy_models(
     compute = DTYPES[source.precision]
     cast = compute if compute != MASTER_DTYPE else None
     model = load_model(source.model_name, "float32", source.gguf_file).to(device)
+    if lora is not None:
+        apply_lora(model, lora)
     if mesh is None:
         if activation_checkpointing:
             checkpoint_layers(model)
     else:
         parallelize(model, mesh, activation_checkpointing=activation_checkpointing, param_dtype=cast)
-    # Loaded after the policy is sharded, so that a rank never holds two whole copies.
-    reference = _frozen_reference(source, device, mesh) if keep_reference else None
+    reference: PreTrainedModel | WithoutAdapters | None = None
+    if keep_reference and lora is not None:
+        reference = WithoutAdapters(model)
+    elif keep_reference:  # loaded after the policy is sharded, so that a rank never holds two whole copies
+        reference = _frozen_reference(source, device, mesh)
     return PolicyModels(model, reference, compute, autocast_dtype=cast if mesh is None else None)
 
 

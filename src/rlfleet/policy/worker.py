@@ -18,6 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlfleet.checkpoint import load_policy, save_policy
 from rlfleet.models.loading import ModelSource
+from rlfleet.models.lora import LoraSettings, WithoutAdapters
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.build import PolicyModels, build_policy_models, compute_autocast, require_master_dtype
 from rlfleet.policy.logprobs import batch_logprobs, token_logprobs
@@ -73,23 +74,28 @@ class TrainablePolicy(ABC):
     model: PreTrainedModel  # float32 master weights
     tokenizer: PreTrainedTokenizerBase
     settings: OptimizerSettings
-    reference: PreTrainedModel | None  # frozen, in the compute dtype
+    reference: PreTrainedModel | WithoutAdapters | None  # frozen copy, or the policy without its adapters
     device: torch.device
     autocast_dtype: torch.dtype | None  # forward passes run under torch.autocast in it (None: no autocast)
 
     def _init_models(self, models: PolicyModels) -> None:
-        """Takes the built models, then creates AdamW (float32 state) with a linear warm-up."""
+        """Takes the built models, then creates AdamW (float32 state) with a linear warm-up over the
+        trainable parameters (all of them, or only the LoRA adapters)."""
         require_master_dtype(models.model)
         self.model = models.model
         self.reference = models.reference
         self.autocast_dtype = models.autocast_dtype
         s = self.settings
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=s.lr, weight_decay=s.weight_decay, betas=s.betas, eps=s.eps
+            self.trainable_parameters(), lr=s.lr, weight_decay=s.weight_decay, betas=s.betas, eps=s.eps
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: warmup_factor(step, s.warmup_steps, s.warmup_start_factor)
         )
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates (with LoRA: the adapters only)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def _compute(self) -> AbstractContextManager[None]:
         """Around forward passes: autocast to the compute dtype where the model does not cast itself."""
@@ -99,7 +105,7 @@ class TrainablePolicy(ABC):
     def has_reference(self) -> bool:
         return self.reference is not None
 
-    def _scoring_model(self, reference: bool) -> PreTrainedModel:
+    def _scoring_model(self, reference: bool) -> PreTrainedModel | WithoutAdapters:
         """The policy, or the frozen reference when ``reference`` (which the worker must keep)."""
         if not reference:
             return self.model
@@ -203,6 +209,7 @@ class PolicyWorker(TrainablePolicy):
         keep_reference: Keep a frozen copy of the initial weights for KL / reference logprobs.
         activation_checkpointing: Recompute each decoder layer's activations in the backward pass.
         device: Where the model lives; default the current CUDA device when there is one, else the CPU.
+        lora: Train LoRA adapters only (the reference is then the policy with its adapters off).
     """
 
     def __init__(
@@ -213,6 +220,7 @@ class PolicyWorker(TrainablePolicy):
         keep_reference: bool,
         activation_checkpointing: bool = False,
         device: torch.device | None = None,
+        lora: LoraSettings | None = None,
     ) -> None:
         self.settings = settings
         self.device = device if device is not None else default_device()
@@ -223,6 +231,7 @@ class PolicyWorker(TrainablePolicy):
             self.device,
             activation_checkpointing=activation_checkpointing,
             keep_reference=keep_reference,
+            lora=lora,
         )
         self._init_models(models)
 
@@ -252,5 +261,5 @@ class PolicyWorker(TrainablePolicy):
         norm = Normalizer(num_tokens=float(batch.response_mask.sum()), num_sequences=float(len(batch)))
         metrics = self._accumulate(batch, loss_fn, norm, micro_batch_size, temperature)
         max_norm = self.settings.max_grad_norm if self.settings.max_grad_norm is not None else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm)
         return self._apply_update(metrics, float(grad_norm))
