@@ -231,7 +231,8 @@ class VLLMGenerationBackend:
         """Loads the trainer's current weights into the engine (waking it first on a GPU)."""
         if self.model is None:
             raise RuntimeError("this engine has no trainer model beside it; its weights come by load_weights")
-        self.load_weights(weight_buckets(merged_state_dict(self.model), self.dtype, self.settings.bucket_bytes))
+        state = merged_state_dict(self.model)
+        self.load_weights(weight_buckets(state, self.dtype, self.settings.bucket_bytes))
 
     def load_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
         """Loads full tensors (checkpoint names, every one of the model's) into the engine.
