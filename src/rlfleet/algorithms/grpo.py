@@ -22,6 +22,7 @@ from dataclasses import replace
 import torch
 
 from rlfleet.algorithms.advantages import group_advantages, zero_variance_fraction
+from rlfleet.algorithms.builders import micro_batching
 from rlfleet.algorithms.evaluation import evaluate
 from rlfleet.algorithms.rollouts import Rollout, accuracy, generate_rollouts, mean_response_length, score
 from rlfleet.algorithms.run import RunContext, run_loop, start_run, step_seed
@@ -90,6 +91,8 @@ class GRPO:
         self.prev_from_training_forward = (
             rows_per_step == cfg.policy.train_global_batch_size and not always_compute_prev
         )
+        self.train_batching = micro_batching(cfg, "train")  # rows, dynamic batching or packing
+        self.logprob_batching = micro_batching(cfg, "logprob")
         self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k)
         self.ctx, self.backend, self.data = start_run(
             cfg,
@@ -127,9 +130,9 @@ class GRPO:
         with timer("logprobs"):
             prev = ref = None
             if not self.prev_from_training_forward:
-                prev = worker.logprobs(batch, p.logprob_batch_size, temperature=temperature)
+                prev = worker.logprobs(batch, self.logprob_batching, temperature=temperature)
             if worker.has_reference:
-                ref = worker.logprobs(batch, p.logprob_batch_size, reference=True, temperature=temperature)
+                ref = worker.logprobs(batch, self.logprob_batching, reference=True, temperature=temperature)
         batch = batch.with_(prev_logprobs=prev, ref_logprobs=ref)
         loss_fn = replace(self.loss_fn, prev_from_training_forward=prev is None)
         with timer("training"):
@@ -137,7 +140,7 @@ class GRPO:
                 batch,
                 loss_fn,
                 global_batch_size=p.train_global_batch_size,
-                micro_batch_size=p.train_micro_batch_size,
+                micro_batch_size=self.train_batching,
                 temperature=temperature,
             )
         with timer("refit"):
