@@ -180,6 +180,25 @@ def padding_fraction(lengths: Sequence[int], plan: Sequence[Sequence[int]], batc
     return 1.0 - real / slots if slots else 0.0
 
 
+def padding_metrics(
+    batch: TrainBatch, global_batch_size: int, batching: MicroBatching, num_shards: int
+) -> dict[str, float]:
+    """Padding share of the training forward passes over ``batch`` (all ranks), as planned by ``batching``
+    (``padding_fraction``) and as fixed micro-batches of ``batching.rows`` rows would have it
+    (``padding_fraction_fixed_rows``, the layout before dynamic batching / packing)."""
+    fixed = MicroBatching(rows=batching.rows)
+    out = {"padding_fraction": 0.0, "padding_fraction_fixed_rows": 0.0}
+    num_steps = len(batch) // global_batch_size
+    for start in range(0, len(batch), global_batch_size):
+        lengths = row_lengths(batch.select(start, start + global_batch_size))
+        share = len(lengths) // num_shards
+        for key, how in (("padding_fraction", batching), ("padding_fraction_fixed_rows", fixed)):
+            plans = plan_micro_batches(lengths, how, num_shards)
+            groups = [[s * share + i for i in g] for s, plan in enumerate(plans) for g in plan]
+            out[key] += padding_fraction(lengths, groups, how) / num_steps
+    return out
+
+
 def _slots(lengths: Sequence[int], batching: MicroBatching) -> int:
     if batching.pack:
         return sum(lengths)
