@@ -154,10 +154,13 @@ def main() -> None:
     )
     parser.add_argument("--round", type=int, default=16, help="dynamic_batching.sequence_length_round")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     parser.add_argument("--quick", action="store_true", help="16 rows, one repeat")
     args = parser.parse_args()
     if args.quick:
         args.rows, args.repeats = 16, 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = args.model
     if model is None:
