@@ -252,3 +252,13 @@ def test_grpo_step_with_packing_or_dynamic_batching_equals_the_padded_one(
     # dynamic batching pads each micro-batch to a multiple of sequence_length_round (16): more or less
     # padding than fixed rows, depending on the lengths; it is the layout's own share either way
     assert 0 < results["dynamic"][0]["train/padding_fraction"] < 1
+
+
+def test_packing_refuses_an_attention_that_ignores_position_ids(worker: PolicyWorker) -> None:
+    batch = make_batch(worker)
+    worker.model.config._attn_implementation = "my_kernel"  # a registered custom attention, say
+    try:
+        with pytest.raises(ValueError, match=r"fix: policy\.sequence_packing\.enabled=false"):
+            worker.logprobs(batch, LAYOUTS["packed"])
+    finally:
+        worker.model.config._attn_implementation = "sdpa"

@@ -14,6 +14,10 @@ from rlfleet.policy.microbatch import (
     row_lengths,
 )
 
+# transformers builds a block-diagonal causal mask (sdpa, eager) or runs the variable-length kernel
+# (flash_attention_2) from position ids that restart at 0, when no attention mask is given
+PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2")
+
 
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """``[B, T]`` with ``out[:, t] = log p(x_t | x_<t)`` from ``[B, T, V]`` logits; ``out[:, 0] = 0``.
@@ -62,6 +66,13 @@ def packed_token_logprobs(
     position ids (``flash_attention_2``). Each sequence's first position gets 0, as in the padded layout
     (the packed row's logit there conditions on the previous sequence).
     """
+    attention = model.config._attn_implementation
+    if attention not in PACKED_ATTENTION:
+        raise ValueError(
+            f"sequence packing needs an attention that separates sequences by their position ids "
+            f"({', '.join(PACKED_ATTENTION)}); this model uses {attention!r}; fix: "
+            "policy.sequence_packing.enabled=false (policy.dynamic_batching.enabled=true pads instead)"
+        )
     packed, positions, rows, cols = pack_rows(input_ids, attention_mask)
     logits = model(input_ids=packed, position_ids=positions, use_cache=False).logits  # [1, L, V]
     picked = logprobs_from_logits(logits, packed, temperature)[0].masked_fill(cols == 0, 0.0)  # [L]
