@@ -82,7 +82,7 @@ def worker(tiny_model_dir: Path) -> PolicyWorker:
     return make_worker(tiny_model_dir)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])  # packing turns sdpa into sdpa_packed
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_logprobs_equal_the_padded_ones_in_batch_order(
     worker: PolicyWorker, layout: str, attention: str
@@ -93,6 +93,8 @@ def test_logprobs_equal_the_padded_ones_in_batch_order(
         want = worker.logprobs(batch, PADDED)
         got = worker.logprobs(batch, LAYOUTS[layout])
         torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+        expected = {"sdpa": "sdpa_packed" if LAYOUTS[layout].pack else "sdpa", "eager": "eager"}[attention]
+        assert worker.model.config._attn_implementation == expected
         # two simulated ranks, each its contiguous half, as many forward passes each
         halves = [batch_logprobs(worker.model, batch, LAYOUTS[layout], 1.0, 2, s) for s in (0, 1)]
         torch.testing.assert_close(torch.cat(halves), want, rtol=0, atol=2e-6)

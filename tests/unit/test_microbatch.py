@@ -19,6 +19,7 @@ from rlfleet.policy.microbatch import (
     plan_micro_batches,
     split_to_count,
 )
+from rlfleet.policy.packed_attention import sequence_bounds
 
 LENGTHS = [9, 3, 12, 5, 7, 2, 11, 4]
 
@@ -141,3 +142,10 @@ def test_both_modes_at_once_and_small_budgets_are_refused() -> None:
         err.value
     )
     assert "fix: policy.dynamic_batching.train_mb_tokens=192" in str(err.value)  # 128 rounded up to 96
+
+
+def test_sequence_bounds_of_a_packed_row() -> None:
+    assert sequence_bounds(torch.tensor([[0, 1, 2, 0, 1, 0]]), 6) == [(0, 3), (3, 5), (5, 6)]
+    assert sequence_bounds(torch.tensor([[0, 1, 2, 3]]), 4) is None  # one sequence: plain sdpa
+    assert sequence_bounds(torch.tensor([[0, 1, 0], [0, 1, 2]]), 3) is None  # padded rows
+    assert sequence_bounds(None, 3) is None

@@ -186,9 +186,10 @@ class SequencePackingConfig(Strict):
         ge=1,
         description="Tokens per packed logprob row; default max_total_sequence_length x logprob_batch_size.",
     )
-    algorithm: Literal["first_fit_decreasing", "concatenative"] = Field(
+    algorithm: Literal["first_fit_decreasing", "modified_first_fit_decreasing", "concatenative"] = Field(
         "first_fit_decreasing",
-        description="Bin packing: first_fit_decreasing (longest first, into the first row with room) or "
+        description="Bin packing: first_fit_decreasing (longest first, into the first row with room), "
+        "modified_first_fit_decreasing (Johnson and Garey's MFFD, NeMo RL's recipes' choice) or "
         "concatenative (rows in order, a new packed row when full).",
     )
 

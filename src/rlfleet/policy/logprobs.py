@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from rlfleet.policy import packed_attention
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.microbatch import (
     MicroBatching,
@@ -15,8 +16,9 @@ from rlfleet.policy.microbatch import (
 )
 
 # transformers builds a block-diagonal causal mask (sdpa, eager) or runs the variable-length kernel
-# (flash_attention_2) from position ids that restart at 0, when no attention mask is given
-PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2")
+# (flash_attention_2) from position ids that restart at 0, when no attention mask is given; sdpa_packed
+# (what packing switches sdpa to) runs SDPA sequence by sequence
+PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", packed_attention.NAME)
 
 
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -66,6 +68,7 @@ def packed_token_logprobs(
     position ids (``flash_attention_2``). Each sequence's first position gets 0, as in the padded layout
     (the packed row's logit there conditions on the previous sequence).
     """
+    packed_attention.use_packed_sdpa(model)
     attention = model.config._attn_implementation
     if attention not in PACKED_ATTENTION:
         raise ValueError(

@@ -26,7 +26,7 @@ from typing import Literal
 
 from rlfleet.policy.batch import TrainBatch
 
-PackingAlgorithm = Literal["first_fit_decreasing", "concatenative"]
+PackingAlgorithm = Literal["first_fit_decreasing", "modified_first_fit_decreasing", "concatenative"]
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,52 @@ def concatenative(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-PACKERS = {"first_fit_decreasing": first_fit_decreasing, "concatenative": concatenative}
+def modified_first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Johnson and Garey's modified first-fit decreasing (NeMo RL's default packer).
+
+    Rows are large (> C/2), medium (> C/3), small (> C/6) or tiny. Each large row opens a bin (longest
+    first); forward over the bins, each takes the longest medium row that fits; backward over the bins
+    without a medium row, each takes the shortest small row plus the longest small row that fits beside
+    it; forward again, each bin takes the longest remaining rows that fit; what is left is packed by
+    first-fit decreasing into new bins. Ties keep batch order.
+    """
+    by_size = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties in batch order
+    large = [i for i in by_size if lengths[i] * 2 > capacity]
+    medium = [i for i in by_size if capacity < lengths[i] * 3 and lengths[i] * 2 <= capacity]
+    small = [i for i in reversed(by_size) if capacity < lengths[i] * 6 and lengths[i] * 3 <= capacity]
+    bins = [[i] for i in large]
+    room = [capacity - lengths[i] for i in large]
+    for b in range(len(bins)):
+        fit = next((i for i in medium if lengths[i] <= room[b]), None)
+        if fit is not None:
+            medium.remove(fit)
+            bins[b].append(fit)
+            room[b] -= lengths[fit]
+    with_medium = {b for b in range(len(bins)) if len(bins[b]) > 1}
+    for b in reversed(range(len(bins))):
+        if b in with_medium or len(small) < 2 or lengths[small[0]] + lengths[small[1]] > room[b]:
+            continue
+        first = small.pop(0)
+        second = next(i for i in reversed(small) if lengths[first] + lengths[i] <= room[b])
+        small.remove(second)
+        bins[b] += [first, second]
+        room[b] -= lengths[first] + lengths[second]
+    placed = {i for group in bins for i in group}
+    rest = [i for i in by_size if i not in placed]
+    for b in range(len(bins)):
+        while (fit := next((i for i in rest if lengths[i] <= room[b]), None)) is not None:
+            rest.remove(fit)
+            bins[b].append(fit)
+            room[b] -= lengths[fit]
+    leftovers = first_fit_decreasing([lengths[i] for i in rest], capacity)
+    return bins + [[rest[j] for j in group] for group in leftovers]
+
+
+PACKERS = {
+    "first_fit_decreasing": first_fit_decreasing,
+    "modified_first_fit_decreasing": modified_first_fit_decreasing,
+    "concatenative": concatenative,
+}
 
 
 def fixed_rows(num_rows: int, rows: int) -> list[list[int]]:
