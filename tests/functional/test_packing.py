@@ -264,3 +264,23 @@ def test_packing_refuses_an_attention_that_ignores_position_ids(worker: PolicyWo
             worker.logprobs(batch, LAYOUTS["packed"])
     finally:
         worker.model.config._attn_implementation = "sdpa"
+
+
+def test_sdpa_packed_generates_as_sdpa(tiny_model_dir: Path) -> None:
+    """A policy switched to sdpa_packed by a packed pass still generates as on sdpa (HF generation shares
+    the module): padded batches and cached decoding take plain SDPA."""
+    from rlfleet.generation import HFGenerationBackend, SamplingParams
+    from rlfleet.policy.packed_attention import use_packed_sdpa
+
+    worker = make_worker(tiny_model_dir)
+    backend = HFGenerationBackend(worker.model, worker.tokenizer, batch_size=4)
+    prompts = [[5, 9, 14, 3], [7, 8], [11, 12, 13, 14, 15, 16], [21]]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=None)
+    before = [backend.generate(p, params, seed=3) for p in (prompts, prompts[:1])]
+    use_packed_sdpa(worker.model)
+    assert worker.model.config._attn_implementation == "sdpa_packed"
+    after = [backend.generate(p, params, seed=3) for p in (prompts, prompts[:1])]
+    for want, got in zip(before, after, strict=True):
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        for r_got, r_want in zip(got, want, strict=True):
+            torch.testing.assert_close(torch.tensor(r_got.logprobs), torch.tensor(r_want.logprobs))
