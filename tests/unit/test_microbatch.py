@@ -15,6 +15,7 @@ from rlfleet.policy.microbatch import (
     concatenative,
     dynamic_batches,
     first_fit_decreasing,
+    modified_first_fit_decreasing,
     padding_fraction,
     plan_micro_batches,
     split_to_count,
@@ -33,6 +34,26 @@ def test_first_fit_decreasing_fills_bins_longest_first() -> None:
     assert bins == [[2, 7], [6, 3], [0, 4], [1, 5]]  # 12+4, 11+5, 9+7, 3+2
     assert _flat(bins) == list(range(len(LENGTHS)))
     assert all(sum(LENGTHS[i] for i in b) <= 16 for b in bins)
+
+
+def test_modified_first_fit_decreasing() -> None:
+    # two large rows open bins; no medium; the small pair does not fit; the greedy pass fills by size
+    assert modified_first_fit_decreasing([6, 6, 3, 3, 1, 1], 10) == [[0, 2, 4], [1, 3, 5]]
+    # each large row takes the longest medium row that fits
+    assert modified_first_fit_decreasing([12, 7, 11, 8], 20) == [[0, 3], [2, 1]]
+    # backward, a large bin without a medium row takes the shortest small row and the longest that fits
+    # beside it; the greedy pass gives the tiny rows to the first bin with room
+    assert modified_first_fit_decreasing([11, 5, 4, 3, 3, 2, 12], 20) == [[6, 3, 4, 5], [0, 2, 1]]
+    # 9 is medium and joins 11; the small pair does not fit beside 12; what fits nowhere goes FFD
+    assert modified_first_fit_decreasing([11, 5, 4, 3, 3, 2, 12, 9], 20) == [[6, 1, 3], [0, 7], [2, 4, 5]]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        lengths = torch.randint(
+            1, 65, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        bins = modified_first_fit_decreasing(lengths, 64)
+        assert _flat(bins) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in b) <= 64 for b in bins)
 
 
 def test_concatenative_keeps_order() -> None:
