@@ -11,9 +11,10 @@ optimizer step over the whole batch) in three layouts:
 - ``packed``: ``policy.sequence_packing``: rows bin-packed (first-fit decreasing) into packed rows of the
   same token budget, positions restarting per sequence.
 
-Each cell is the median of ``--repeats`` timed runs after one untimed warm-up; the padding fraction is the
-share of token slots the forward passes compute that are padding (``train/padding_fraction``). The weights
-are restored before every training run, so all layouts train from the same point.
+Each cell is the median of ``--repeats`` timed runs after one untimed warm-up round, the layouts taking
+turns; the padding fraction is the share of token slots the forward passes compute that are padding
+(``train/padding_fraction``). The weights are restored before every training run, so all layouts train
+from the same point.
 
 Length distributions (prompt + response tokens; seeded):
 
@@ -89,38 +90,44 @@ def make_batch(worker: PolicyWorker, pairs: list[tuple[int, int]], seed: int) ->
     return batch.with_(advantages=torch.randn(len(batch), generator=gen))
 
 
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def run(
     worker: PolicyWorker, batch: TrainBatch, layouts: dict[str, MicroBatching], repeats: int
 ) -> list[dict]:
+    """Median seconds per layout; the layouts take turns (round-robin) so a load that drifts over the run
+    weighs on all of them alike, and the first round is an untimed warm-up."""
     weights = copy.deepcopy(worker.model.state_dict())
     optimizer = copy.deepcopy(worker.optimizer.state_dict())
     lengths = row_lengths(batch)
+
+    def train(batching: MicroBatching) -> None:
+        worker.model.load_state_dict(weights)
+        worker.optimizer.load_state_dict(optimizer)
+        worker.train(batch, LOSS, global_batch_size=len(batch), micro_batch_size=batching)
+
+    times: dict[str, dict[str, list[float]]] = {name: {"logprobs": [], "train": []} for name in layouts}
+    for round_ in range(repeats + 1):
+        for name, batching in layouts.items():
+            lp = seconds(lambda b=batching: worker.logprobs(batch, b))
+            tr = seconds(lambda b=batching: train(b))
+            if round_:
+                times[name]["logprobs"].append(lp)
+                times[name]["train"].append(tr)
     results = []
     for name, batching in layouts.items():
         plan = plan_micro_batches(lengths, batching)[0]
-
-        def train(batching: MicroBatching = batching) -> None:
-            worker.model.load_state_dict(weights)
-            worker.optimizer.load_state_dict(optimizer)
-            worker.train(batch, LOSS, global_batch_size=len(batch), micro_batch_size=batching)
-
         results.append(
             {
                 "layout": name,
                 "micro_batches": len(plan),
                 "padding": padding_fraction(lengths, plan, batching),
-                "logprobs_s": median_seconds(lambda b=batching: worker.logprobs(batch, b), repeats),
-                "train_s": median_seconds(train, repeats),
+                "logprobs_s": statistics.median(times[name]["logprobs"]),
+                "train_s": statistics.median(times[name]["train"]),
             }
         )
     return results
