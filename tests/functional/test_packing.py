@@ -169,16 +169,23 @@ def test_a_packed_training_step_equals_the_padded_one(tiny_model_dir: Path) -> N
 
 
 @pytest.mark.slow
-def test_two_rank_fsdp_packed_step_equals_one_padded_process(ray_cluster: None, tiny_model_dir: Path) -> None:
-    """The sharded worker plans through the same code: its two ranks pack their halves into different
-    numbers of rows (4 and 3 here), are evened out to as many forward passes, and one packed step on
-    FSDP2 equals one padded step in one process."""
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_two_rank_packed_step_equals_one_padded_process(
+    ray_cluster: None, request: pytest.FixtureRequest, tensor_parallel_size: int
+) -> None:
+    """The sharded worker plans through the same code. FSDP2 over two data-parallel ranks: they pack their
+    halves into different numbers of rows (4 and 3 here), are evened out to as many forward passes, and
+    one packed step equals one padded step in one process. Tensor parallelism 2: both ranks pack the same
+    rows, attention heads split between them."""
     from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
-    from rlfleet.distributed.sharded_worker import ShardedPolicyWorker
+    from rlfleet.distributed.sharded_worker import ShardedPolicyWorker, ShardingSettings
     from rlfleet.distributed.worker_group import RayWorkerGroup
 
+    model_dir = request.getfixturevalue(
+        "tiny_tp_model_dir" if tensor_parallel_size == 2 else "tiny_model_dir"
+    )
     packed = MicroBatching(rows=3, tokens=17, pack=True)
-    single = make_worker(tiny_model_dir)
+    single = make_worker(model_dir)
     batch = make_batch(single)
     lengths = row_lengths(batch)
     assert [len(plan_micro_batches(half, packed)[0]) for half in (lengths[:4], lengths[4:])] == [4, 3]
@@ -186,7 +193,11 @@ def test_two_rank_fsdp_packed_step_equals_one_padded_process(ray_cluster: None, 
     loss_fn = pg_loss(kl_penalty=0.1)
     want = single.train(batch, loss_fn, global_batch_size=8, micro_batch_size=8)
     groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
-    init = {"source": ModelSource(str(tiny_model_dir)), "settings": TEST_OPTIMIZER}
+    init = {
+        "source": ModelSource(str(model_dir)),
+        "settings": TEST_OPTIMIZER,
+        "sharding": ShardingSettings(tensor_parallel_size=tensor_parallel_size),
+    }
     group = RayWorkerGroup(ShardedPolicyWorker, groups, init, timeout_s=120.0)
     try:
         lps = group.run_all("logprobs", batch, packed)
@@ -196,9 +207,9 @@ def test_two_rank_fsdp_packed_step_equals_one_padded_process(ray_cluster: None, 
         group.shutdown()
         remove_placement_groups(groups)
     for lp in lps:
-        torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-6)
+        torch.testing.assert_close(lp, want_lp, rtol=0, atol=1e-5)
     for key in ("loss", "kl", "ratio", "grad_norm"):
-        assert metrics[0][key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+        assert metrics[0][key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
     assert metrics[0]["padding_fraction"] == 0.0
     for name, p in single.model.named_parameters():  # AdamW's first step: see the one-process test
         torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=2e-5, msg=name)
