@@ -6,7 +6,7 @@ Three ways to split the rows of a pass (``MicroBatching``):
 * **dynamic batching** (``tokens`` set, ``pack=False``): rows sorted by length, longest first, each
   micro-batch filled while ``rows x round_up(longest, round_to) <= tokens`` (NeMo RL's
   ``policy.dynamic_batching``);
-* **sequence packing** (``pack=True``): rows bin-packed (first-fit decreasing) into bins of at most
+* **sequence packing** (``pack=True``): rows bin-packed (``algorithm``) into bins of at most
   ``tokens`` tokens; each bin is one packed row whose sequences restart their ``position_ids`` at 0, so
   the model's attention is block-diagonal causal (NeMo RL's ``policy.sequence_packing``).
 
