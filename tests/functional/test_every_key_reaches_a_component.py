@@ -96,6 +96,10 @@ def test_every_schema_key_is_read_by_some_component(recorded: set[str], tiny_mod
         "grpo.use_leave_one_out_baseline=false",
         f"logger.tensorboard.log_dir={tmp_path / 'a' / 'tb'}",
         "data.max_input_seq_length=200",
+        "policy.sequence_packing.enabled=true",
+        "policy.sequence_packing.train_mb_tokens=1024",
+        "policy.sequence_packing.logprob_mb_tokens=2048",
+        "policy.sequence_packing.algorithm=concatenative",
     )
     GRPO(ReadRecorder(cfg, recorded)).train()  # type: ignore[arg-type]
     # B: SFT with LoRA adapters on some projections.
@@ -134,6 +138,10 @@ def test_every_schema_key_is_read_by_some_component(recorded: set[str], tiny_mod
         "data.on_bad_row=skip",
         f"policy.tokenizer.name={tiny_model_dir}",
         "checkpointing.enabled=false",
+        "policy.dynamic_batching.enabled=true",
+        "policy.dynamic_batching.train_mb_tokens=1024",
+        "policy.dynamic_batching.logprob_mb_tokens=2048",
+        "policy.dynamic_batching.sequence_length_round=16",
     )
     GRPO(ReadRecorder(gsm, recorded)).train()  # type: ignore[arg-type]
     # D: eval with sampling; E: plan of the seed recipe (architecture, cluster, vLLM sizes).

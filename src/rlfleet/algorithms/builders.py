@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlfleet.config import MasterConfig
+from rlfleet.config.batching import Pass, micro_batch_rows, micro_batch_tokens
 from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.layout import compute_layout
 from rlfleet.data import (
@@ -29,6 +30,7 @@ from rlfleet.generation import GenerationBackend, HFGenerationBackend, VLLMGener
 from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import LoraSettings
 from rlfleet.policy.interface import Policy
+from rlfleet.policy.microbatch import MicroBatching
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
 from rlfleet.rewards import ScoringPool, VerifierPool
 
@@ -227,3 +229,16 @@ def load_prompts(
             "dropped %d train and %d val prompts longer than %d tokens", dropped_train, dropped_val, budget
         )
     return TaskData(train=train, val=val, dropped=dropped_train + dropped_val)
+
+
+def micro_batching(cfg: MasterConfig, pass_: Pass) -> MicroBatching:
+    """How ``pass_`` (training or logprobs) splits its rows: ``policy.sequence_packing``,
+    ``policy.dynamic_batching`` (token budgets) or fixed rows (``train_micro_batch_size`` /
+    ``logprob_batch_size``)."""
+    p = cfg.policy
+    rows, tokens = micro_batch_rows(p, pass_), micro_batch_tokens(p, pass_)
+    if tokens is None:
+        return MicroBatching(rows)
+    if p.sequence_packing.enabled:
+        return MicroBatching(rows, tokens, pack=True, algorithm=p.sequence_packing.algorithm)
+    return MicroBatching(rows, tokens, round_to=p.dynamic_batching.sequence_length_round)

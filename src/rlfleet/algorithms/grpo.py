@@ -37,6 +37,7 @@ import torch
 
 from rlfleet.algorithms.advantages import group_advantages, zero_variance_fraction
 from rlfleet.algorithms.async_rollouts import RolloutPrefetcher
+from rlfleet.algorithms.builders import micro_batching
 from rlfleet.algorithms.dynamic_sampling import SampledGroups, collect_informative_groups, trainable_rows
 from rlfleet.algorithms.evaluation import evaluate
 from rlfleet.algorithms.overlong import OverlongShaping, mask_truncated
@@ -145,6 +146,8 @@ class GRPO:
         max_rounds = g.dynamic_sampling_max_gen_batches
         self.max_rounds = max_rounds if g.use_dynamic_sampling else 1
         prompts_per_round = int(g.num_prompts_per_step * g.batch_multiplier)
+        self.train_batching = micro_batching(cfg, "train")  # rows, dynamic batching or packing
+        self.logprob_batching = micro_batching(cfg, "logprob")
         self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k)
         enabled, max_age = g.async_grpo.enabled, g.async_grpo.max_trajectory_age_steps
         self.prefetcher = RolloutPrefetcher[Collected](max_age) if enabled else None
@@ -288,9 +291,9 @@ class GRPO:
         with timer("logprobs"):
             prev = ref = None
             if not prev_from_forward:
-                prev = worker.logprobs(batch, p.logprob_batch_size, temperature=temperature)
+                prev = worker.logprobs(batch, self.logprob_batching, temperature=temperature)
             if worker.has_reference:
-                ref = worker.logprobs(batch, p.logprob_batch_size, reference=True, temperature=temperature)
+                ref = worker.logprobs(batch, self.logprob_batching, reference=True, temperature=temperature)
         batch = batch.with_(prev_logprobs=prev, ref_logprobs=ref)
         loss_fn = replace(self.loss_fn, prev_from_training_forward=prev is None)
         with timer("training"):
@@ -298,7 +301,7 @@ class GRPO:
                 batch,
                 loss_fn,
                 global_batch_size=global_batch,
-                micro_batch_size=p.train_micro_batch_size,
+                micro_batch_size=self.train_batching,
                 temperature=temperature,
             )
         return train

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from rlfleet.algorithms.builders import micro_batching
 from rlfleet.algorithms.evaluation import evaluate
 from rlfleet.algorithms.run import RunContext, run_loop, start_run, step_seed
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
@@ -38,6 +39,7 @@ class SFT:
         ensure_runnable(cfg)
         self.cfg, s = cfg, cfg.sft
         self.loss_fn = NLLLossFn(token_level=cfg.loss_fn.token_level_loss)
+        self.train_batching = micro_batching(cfg, "train")  # rows, dynamic batching or packing
         self.ctx, self.backend, self.data = start_run(
             cfg,
             seed=s.seed,
@@ -49,11 +51,11 @@ class SFT:
         )
 
     def step(self) -> dict[str, float]:
-        worker, p, timer = self.ctx.worker, self.cfg.policy, PhaseTimer()
+        worker, timer = self.ctx.worker, PhaseTimer()
         batch = sft_batch(self.ctx.loader.next_batch(), worker.tokenizer, worker.tokenizer.pad_token_id)
         with timer("training"):
             train = worker.train(
-                batch, self.loss_fn, global_batch_size=len(batch), micro_batch_size=p.train_micro_batch_size
+                batch, self.loss_fn, global_batch_size=len(batch), micro_batch_size=self.train_batching
             )
         metrics = {f"train/{k}": v for k, v in train.items()}
         metrics["train/num_tokens"] = int(batch.attention_mask.sum())

@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 import rlfleet
+from rlfleet.config.batching import check_micro_batching
 from rlfleet.config.errors import ConfigError, deep_merge, got, short_repr
 from rlfleet.config.layout import compute_layout
 from rlfleet.config.metric_names import LOGGED_METRICS, normalize_metric_name
@@ -466,6 +467,7 @@ def check_config(cfg: MasterConfig, algorithm: Algorithm) -> None:
             "(e.g. policy.model_name=Qwen/Qwen2.5-0.5B-Instruct)"
         )
     problems += _check_batches(cfg, algorithm)
+    problems += check_micro_batching(cfg)
     if algorithm == "grpo":
         problems += _check_lengths(cfg) + _check_grpo(cfg) + variant_problems(cfg)
     problems += _check_metric(cfg, algorithm)

@@ -268,6 +268,58 @@ class DTensorConfig(Strict):
     lora_cfg: LoraConfig = LoraConfig()
 
 
+class DynamicBatchingConfig(Strict):
+    """Micro-batches filled to a token budget instead of a row count (NeMo RL's ``policy.dynamic_batching``).
+
+    Rows are sorted by length; each micro-batch is padded to its own longest row rounded up to
+    ``sequence_length_round``. Loss and gradients equal the fixed-row computation.
+    """
+
+    enabled: bool = Field(False, description="Group rows into micro-batches by a token budget.")
+    train_mb_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens (padding included) per training micro-batch; default "
+        "max_total_sequence_length x train_micro_batch_size.",
+    )
+    logprob_mb_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens (padding included) per logprob micro-batch; default "
+        "max_total_sequence_length x logprob_batch_size.",
+    )
+    sequence_length_round: int = Field(
+        64, ge=1, description="Each micro-batch is padded to a multiple of this many tokens."
+    )
+
+
+class SequencePackingConfig(Strict):
+    """Several sequences concatenated into one packed row per micro-batch (NeMo RL's
+    ``policy.sequence_packing``): positions restart at each sequence and attention is block-diagonal
+    causal (variable-length FlashAttention on GPU with ``flash_attention_2``, SDPA with a mask otherwise).
+    No padding is computed; loss and gradients equal the padded computation.
+    """
+
+    enabled: bool = Field(False, description="Pack sequences into rows of up to *_mb_tokens tokens.")
+    train_mb_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens per packed training row; default max_total_sequence_length x "
+        "train_micro_batch_size.",
+    )
+    logprob_mb_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens per packed logprob row; default max_total_sequence_length x logprob_batch_size.",
+    )
+    algorithm: Literal["first_fit_decreasing", "modified_first_fit_decreasing", "concatenative"] = Field(
+        "first_fit_decreasing",
+        description="Bin packing: first_fit_decreasing (longest first, into the first row with room), "
+        "modified_first_fit_decreasing (Johnson and Garey's MFFD, NeMo RL's recipes' choice) or "
+        "concatenative (rows in order, a new packed row when full).",
+    )
+
+
 class TokenizerConfig(Strict):
     name: str | None = Field(None, description="Tokenizer id/path; defaults to policy.model_name.")
 
@@ -306,6 +358,8 @@ class PolicyConfig(Strict):
     scheduler: SchedulerConfig = SchedulerConfig()
     generation: GenerationConfig = GenerationConfig()
     dtensor_cfg: DTensorConfig = DTensorConfig()
+    dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
+    sequence_packing: SequencePackingConfig = SequencePackingConfig()
 
 
 # --------------------------------------------------------------------------------------------- data / env

@@ -27,6 +27,7 @@ from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.build import build_policy_models
 from rlfleet.policy.logprobs import batch_logprobs
 from rlfleet.policy.loss import Normalizer
+from rlfleet.policy.microbatch import MicroBatching, plan_micro_batches, row_lengths
 from rlfleet.policy.worker import LossFn, OptimizerSettings, TrainablePolicy
 
 
@@ -130,15 +131,20 @@ class ShardedPolicyWorker(TrainablePolicy):
 
     @torch.no_grad()
     def logprobs(
-        self, batch: TrainBatch, micro_batch_size: int, *, reference: bool = False, temperature: float = 1.0
+        self,
+        batch: TrainBatch,
+        micro_batch_size: int | MicroBatching,
+        *,
+        reference: bool = False,
+        temperature: float = 1.0,
     ) -> torch.Tensor:
-        """``[B, T]`` token logprobs of the whole ``batch``: each rank computes its rows, then all gather."""
+        """``[B, T]`` token logprobs of the whole ``batch``: each rank computes its rows (as many forward
+        passes on every rank, however ``micro_batch_size`` plans them), then all gather."""
         model = self._scoring_model(reference)
         self._check_divisible("logprob batch", len(batch))
         start = time.perf_counter()
-        first, stop = self._my_rows(0, len(batch))
         with self._compute():
-            mine = batch_logprobs(model, batch, first, stop, micro_batch_size, temperature)
+            mine = batch_logprobs(model, batch, micro_batch_size, temperature, self.dp_size, self.dp_rank)
         self.busy_seconds += time.perf_counter() - start
         parts = [torch.empty_like(mine).to(self.device) for _ in range(self.dp_size)]
         dist.all_gather(parts, mine.to(self.device), group=self.dp_group)
@@ -151,16 +157,17 @@ class ShardedPolicyWorker(TrainablePolicy):
         return tensor.cpu().tolist()
 
     def _optimizer_step(
-        self, global_batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int, temperature: float
+        self, global_batch: TrainBatch, loss_fn: LossFn, batching: MicroBatching, temperature: float
     ) -> dict[str, float]:
         first, stop = self._my_rows(0, len(global_batch))
         batch = global_batch.select(first, stop)
+        plan = plan_micro_batches(row_lengths(global_batch), batching, self.dp_size)[self.dp_rank]
         tokens, rows = self._all_reduce([float(batch.response_mask.sum()), float(len(batch))])
         norm = Normalizer(num_tokens=tokens, num_sequences=rows)
         start = time.perf_counter()
         # FSDP averages gradients over data-parallel ranks; each rank's loss is already its share of the
         # global loss, so undo the average.
-        metrics = self._accumulate(batch, loss_fn, norm, micro_batch_size, temperature, self.dp_size)
+        metrics = self._accumulate(batch, loss_fn, norm, plan, batching, temperature, self.dp_size)
         self.busy_seconds += time.perf_counter() - start
         keys = sorted(metrics)
         metrics = dict(zip(keys, self._all_reduce([metrics[k] for k in keys]), strict=True))

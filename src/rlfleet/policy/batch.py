@@ -42,6 +42,12 @@ class TrainBatch:
         width = int(self.attention_mask[start:stop].sum(dim=1).max())
         return TrainBatch(**{f.name: _slice(getattr(self, f.name), start, stop, width) for f in fields(self)})
 
+    def take(self, rows: Sequence[int]) -> TrainBatch:
+        """Rows ``rows`` (any order), with trailing all-padding columns removed."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        width = int(self.attention_mask[index].sum(dim=1).max())
+        return TrainBatch(**{f.name: _take(getattr(self, f.name), index, width) for f in fields(self)})
+
     def with_(self, **changes: torch.Tensor | None) -> TrainBatch:
         return replace(self, **changes)
 
@@ -52,6 +58,13 @@ class TrainBatch:
 
 def _to(value: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
     return None if value is None else value.to(device)
+
+
+def _take(value: torch.Tensor | None, index: torch.Tensor, width: int) -> torch.Tensor | None:
+    if value is None:
+        return None
+    rows = value[index.to(value.device)]
+    return rows[:, :width] if rows.ndim == 2 else rows
 
 
 def _slice(value: torch.Tensor | None, start: int, stop: int, width: int) -> torch.Tensor | None:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from rlfleet.policy.batch import TrainBatch
+    from rlfleet.policy.microbatch import MicroBatching
     from rlfleet.policy.worker import LossFn
 
 
@@ -34,9 +35,16 @@ class Policy(Protocol):
         ...
 
     def logprobs(
-        self, batch: TrainBatch, micro_batch_size: int, *, reference: bool = False, temperature: float = 1.0
+        self,
+        batch: TrainBatch,
+        micro_batch_size: int | MicroBatching,
+        *,
+        reference: bool = False,
+        temperature: float = 1.0,
     ) -> torch.Tensor:
-        """``[B, T]`` token logprobs of the policy (or of the frozen reference) over ``batch``."""
+        """``[B, T]`` token logprobs of the policy (or of the frozen reference) over ``batch``.
+
+        ``micro_batch_size``: rows per forward pass, or a ``MicroBatching`` (dynamic batching / packing)."""
         ...
 
     def train(
@@ -45,7 +53,7 @@ class Policy(Protocol):
         loss_fn: LossFn,
         *,
         global_batch_size: int,
-        micro_batch_size: int,
+        micro_batch_size: int | MicroBatching,
         temperature: float = 1.0,
     ) -> dict[str, float]:
         """One optimizer step per ``global_batch_size`` rows of ``batch``; metrics averaged over steps."""

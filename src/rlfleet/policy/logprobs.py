@@ -1,23 +1,34 @@
-"""Token logprobs of a causal LM over a right-padded batch."""
+"""Token logprobs of a causal LM over a right-padded batch, in any micro-batch layout."""
 
 from __future__ import annotations
 
 import torch
 from transformers import PreTrainedModel
 
+from rlfleet.policy import packed_attention
 from rlfleet.policy.batch import TrainBatch
+from rlfleet.policy.microbatch import (
+    MicroBatching,
+    as_micro_batching,
+    plan_micro_batches,
+    round_up,
+    row_lengths,
+)
+
+# transformers builds a block-diagonal causal mask (sdpa, eager) or runs the variable-length kernel
+# (flash_attention_2) from position ids that restart at 0, when no attention mask is given; sdpa_packed
+# (what packing switches sdpa to) runs SDPA sequence by sequence
+PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", packed_attention.NAME)
 
 
-def token_logprobs(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """``[B, T]`` with ``out[:, t] = log p(x_t | x_<t)`` at ``temperature``; ``out[:, 0] = 0``.
+def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[B, T]`` with ``out[:, t] = log p(x_t | x_<t)`` from ``[B, T, V]`` logits; ``out[:, 0] = 0``.
 
-    Computed as ``logit[token] - logsumexp(logits)`` in float32, without materialising the full
-    log-softmax over the vocabulary.
+    Computed as ``logit[token] - logsumexp(logits)`` in float32 (float64 logits stay float64), without
+    materialising the full log-softmax over the vocabulary.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, V]
-    logits = logits[:, :-1].float()
+    logits = logits[:, :-1]
+    logits = logits if logits.dtype == torch.float64 else logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     targets = input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
@@ -25,28 +36,96 @@ def token_logprobs(
     return torch.nn.functional.pad(picked, (1, 0), value=0.0)
 
 
+def token_logprobs(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """``[B, T]`` with ``out[:, t] = log p(x_t | x_<t)`` at ``temperature``; ``out[:, 0] = 0``."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, V]
+    return logprobs_from_logits(logits, input_ids, temperature)
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Concatenates the real tokens of right-padded rows into one row.
+
+    Returns:
+        ``(packed_ids [1, L], position_ids [1, L], rows [L], cols [L])``: ``position_ids`` restart at 0 at
+        each sequence; token ``k`` of the packed row came from ``input_ids[rows[k], cols[k]]``.
+    """
+    lengths = attention_mask.sum(dim=1)
+    rows = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    cols = torch.arange(len(rows), device=rows.device) - starts[rows]
+    return input_ids[rows, cols].unsqueeze(0), cols.unsqueeze(0), rows, cols
+
+
+def packed_token_logprobs(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """``token_logprobs`` of right-padded rows computed on one packed row, scattered back to ``[n, T]``.
+
+    The model gets ``position_ids`` restarting at each sequence and no attention mask: transformers then
+    builds a block-diagonal causal mask (SDPA / eager) or runs variable-length FlashAttention from the
+    position ids (``flash_attention_2``). Each sequence's first position gets 0, as in the padded layout
+    (the packed row's logit there conditions on the previous sequence).
+    """
+    packed_attention.use_packed_sdpa(model)
+    attention = model.config._attn_implementation
+    if attention not in PACKED_ATTENTION:
+        raise ValueError(
+            f"sequence packing needs an attention that separates sequences by their position ids "
+            f"({', '.join(PACKED_ATTENTION)}); this model uses {attention!r}; fix: "
+            "policy.sequence_packing.enabled=false (policy.dynamic_batching.enabled=true pads instead)"
+        )
+    packed, positions, rows, cols = pack_rows(input_ids, attention_mask)
+    logits = model(input_ids=packed, position_ids=positions, use_cache=False).logits  # [1, L, V]
+    picked = logprobs_from_logits(logits, packed, temperature)[0].masked_fill(cols == 0, 0.0)  # [L]
+    return picked.new_zeros(input_ids.shape).index_put((rows, cols), picked)
+
+
+def forward_logprobs(
+    model: PreTrainedModel, mb: TrainBatch, batching: MicroBatching, temperature: float
+) -> torch.Tensor:
+    """``[n, T]`` token logprobs of the right-padded micro-batch ``mb``, whatever its layout: packed into
+    one row, padded to its width rounded up (dynamic batching), or as it is (fixed rows). Padding
+    positions hold 0 in every layout."""
+    if batching.pack:
+        return packed_token_logprobs(model, mb.input_ids, mb.attention_mask, temperature)
+    width = mb.input_ids.shape[1]
+    target = round_up(width, batching.round_to) if batching.tokens is not None else width
+    pad = (0, target - width)
+    ids = torch.nn.functional.pad(mb.input_ids, pad, value=0)
+    mask = torch.nn.functional.pad(mb.attention_mask, pad, value=0)
+    lp = token_logprobs(model, ids, mask, temperature)[:, :width]
+    return lp.masked_fill(mb.attention_mask == 0, 0.0)
+
+
 @torch.no_grad()
 def batch_logprobs(
     model: PreTrainedModel,
     batch: TrainBatch,
-    start: int,
-    stop: int,
-    micro_batch_size: int,
+    batching: int | MicroBatching,
     temperature: float,
+    num_shards: int = 1,
+    shard: int = 0,
 ) -> torch.Tensor:
-    """Token logprobs of rows ``start:stop`` of ``batch`` in eval mode, micro-batch by micro-batch.
+    """Token logprobs of shard ``shard`` of ``num_shards`` (contiguous equal row shares) of ``batch``, in eval
+    mode, micro-batch by micro-batch as ``batching`` plans (every shard runs the same number of passes).
 
     Returns:
-        ``[stop - start, T]`` float32 on the CPU, ``T`` being the width of the whole ``batch``.
+        ``[B / num_shards, T]`` float32 on the CPU in the shard's row order, ``T`` the width of ``batch``.
     """
+    batching = as_micro_batching(batching)
+    share = len(batch) // num_shards
+    mine = batch.select(shard * share, (shard + 1) * share)
+    plan = plan_micro_batches(row_lengths(batch), batching, num_shards)[shard]
     was_training = model.training
     model.eval()
-    out = torch.zeros((stop - start, batch.response_mask.shape[1]), dtype=torch.float32)
+    out = torch.zeros((share, batch.response_mask.shape[1]), dtype=torch.float32)
     try:
-        for first in range(start, stop, micro_batch_size):
-            mb = batch.select(first, min(first + micro_batch_size, stop)).to(model.device)
-            lp = token_logprobs(model, mb.input_ids, mb.attention_mask, temperature)
-            out[first - start : first - start + len(mb), : lp.shape[1]] = lp.cpu()
+        for rows in plan:
+            mb = mine.take(rows).to(model.device)
+            lp = forward_logprobs(model, mb, batching, temperature)
+            out[rows, : lp.shape[1]] = lp.float().cpu()
     finally:
         model.train(was_training)
     return out

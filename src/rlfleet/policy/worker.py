@@ -21,8 +21,15 @@ from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import LoraSettings, WithoutAdapters
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.build import PolicyModels, build_policy_models, compute_autocast, require_master_dtype
-from rlfleet.policy.logprobs import batch_logprobs, token_logprobs
+from rlfleet.policy.logprobs import batch_logprobs, forward_logprobs
 from rlfleet.policy.loss import Normalizer
+from rlfleet.policy.microbatch import (
+    MicroBatching,
+    as_micro_batching,
+    padding_metrics,
+    plan_micro_batches,
+    row_lengths,
+)
 
 LossFn = Callable[[torch.Tensor, TrainBatch, Normalizer], tuple[torch.Tensor, dict[str, float]]]
 
@@ -121,14 +128,16 @@ class TrainablePolicy(ABC):
         loss_fn: LossFn,
         *,
         global_batch_size: int,
-        micro_batch_size: int,
+        micro_batch_size: int | MicroBatching,
         temperature: float = 1.0,
     ) -> dict[str, float]:
         """One optimizer step per ``global_batch_size`` rows of ``batch``, accumulating micro-batches.
 
-        Under data parallelism every rank receives the whole batch and trains on its share of each global
-        batch. Returns metrics averaged over the optimizer steps (summed over micro-batches and ranks): the
-        loss function's metrics plus ``grad_norm`` and ``lr``; the same on every rank.
+        ``micro_batch_size``: rows per micro-batch, or a ``MicroBatching`` (token budgets: dynamic batching
+        or sequence packing). Under data parallelism every rank receives the whole batch and trains on its
+        share of each global batch. Returns metrics averaged over the optimizer steps (summed over
+        micro-batches and ranks): the loss function's metrics plus ``grad_norm``, ``lr`` and the padding
+        shares of ``padding_metrics``; the same on every rank.
         """
         if len(batch) % global_batch_size or global_batch_size % self.dp_size:
             raise ValueError(
@@ -136,16 +145,16 @@ class TrainablePolicy(ABC):
                 "data-parallel rank(s): the batch must split into global batches and each global batch "
                 "evenly over the ranks (every rank must run the same number of forward passes)"
             )
+        batching = as_micro_batching(micro_batch_size)
         self.model.train()
-        return over_global_batches(
-            batch,
-            global_batch_size,
-            lambda gb: self._optimizer_step(gb, loss_fn, micro_batch_size, temperature),
+        metrics = over_global_batches(
+            batch, global_batch_size, lambda gb: self._optimizer_step(gb, loss_fn, batching, temperature)
         )
+        return {**metrics, **padding_metrics(batch, global_batch_size, batching, self.dp_size)}
 
     @abstractmethod
     def _optimizer_step(
-        self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int, temperature: float
+        self, batch: TrainBatch, loss_fn: LossFn, batching: MicroBatching, temperature: float
     ) -> dict[str, float]:
         """One optimizer step on one global batch (each worker normalises, reduces and clips its own way)."""
 
@@ -154,20 +163,22 @@ class TrainablePolicy(ABC):
         batch: TrainBatch,
         loss_fn: LossFn,
         norm: Normalizer,
-        micro_batch_size: int,
+        plan: list[list[int]],
+        batching: MicroBatching,
         temperature: float,
         loss_scale: float = 1.0,
     ) -> dict[str, float]:
-        """Zeroes the gradients, then backpropagates ``batch`` micro-batch by micro-batch.
+        """Zeroes the gradients, then backpropagates ``batch`` micro-batch by micro-batch as ``plan`` groups
+        its rows (laid out as ``batching`` says; see ``rlfleet.policy.microbatch``).
 
         Returns the loss function's metrics summed over the micro-batches.
         """
         metrics: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
-        for start in range(0, len(batch), micro_batch_size):
-            mb = batch.select(start, start + micro_batch_size).to(self.device)
+        for rows in plan:
+            mb = batch.take(rows).to(self.device)
             with self._compute():
-                lp = token_logprobs(self.model, mb.input_ids, mb.attention_mask, temperature)
+                lp = forward_logprobs(self.model, mb, batching, temperature)
             loss, mb_metrics = loss_fn(lp, mb, norm)
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             for key, value in mb_metrics.items():
@@ -246,20 +257,25 @@ class PolicyWorker(TrainablePolicy):
 
     @torch.no_grad()
     def logprobs(
-        self, batch: TrainBatch, micro_batch_size: int, *, reference: bool = False, temperature: float = 1.0
+        self,
+        batch: TrainBatch,
+        micro_batch_size: int | MicroBatching,
+        *,
+        reference: bool = False,
+        temperature: float = 1.0,
     ) -> torch.Tensor:
-        """``[B, T]`` token logprobs of the policy (or the frozen reference) over ``batch``."""
+        """``[B, T]`` token logprobs of the policy (or the frozen reference) over ``batch``, micro-batched by
+        rows or by a ``MicroBatching`` token budget; rows in ``batch`` order."""
         with self._compute():
-            lp = batch_logprobs(
-                self._scoring_model(reference), batch, 0, len(batch), micro_batch_size, temperature
-            )
+            lp = batch_logprobs(self._scoring_model(reference), batch, micro_batch_size, temperature)
         return lp.to(batch.response_mask.dtype)
 
     def _optimizer_step(
-        self, batch: TrainBatch, loss_fn: LossFn, micro_batch_size: int, temperature: float
+        self, batch: TrainBatch, loss_fn: LossFn, batching: MicroBatching, temperature: float
     ) -> dict[str, float]:
         norm = Normalizer(num_tokens=float(batch.response_mask.sum()), num_sequences=float(len(batch)))
-        metrics = self._accumulate(batch, loss_fn, norm, micro_batch_size, temperature)
+        plan = plan_micro_batches(row_lengths(batch), batching)[0]
+        metrics = self._accumulate(batch, loss_fn, norm, plan, batching, temperature)
         max_norm = self.settings.max_grad_norm if self.settings.max_grad_norm is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm)
         return self._apply_update(metrics, float(grad_norm))

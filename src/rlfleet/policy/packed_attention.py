@@ -1,0 +1,80 @@
+"""SDPA over packed rows without the quadratic mask: each packed sequence attends on its own.
+
+With ``sdpa``, transformers runs a packed row (position ids restarting at 0, no attention mask) as one
+``L x L`` attention under a block-diagonal causal mask: correct, but it computes every block, so a row of
+``k`` sequences of length ``l`` costs ``(k l)^2`` instead of ``k l^2``, more than the padding it saves on long
+rows (the CPU has no variable-length kernel). ``sdpa_packed`` cuts the row at the restarts and runs causal
+SDPA per sequence: the same numbers as the masked computation, at ``k l^2``. On anything that is not a
+packed row (padded batches, generation with a cache) it is plain ``sdpa``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+NAME = "sdpa_packed"
+
+
+def sequence_bounds(position_ids: torch.Tensor | None, length: int) -> list[tuple[int, int]] | None:
+    """``(start, stop)`` of each sequence of one packed row whose positions restart at 0; None when the
+    row is not packed (several rows, or a single sequence)."""
+    if position_ids is None or position_ids.shape[0] != 1 or position_ids.shape[1] != length:
+        return None
+    starts = (position_ids[0] == 0).nonzero().flatten().tolist()
+    if len(starts) < 2 or starts[0] != 0:
+        return None
+    return list(zip(starts, [*starts[1:], length], strict=True))
+
+
+def sdpa_packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, L, D]
+    key: torch.Tensor,  # [1, Hkv, L, D]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``sdpa_attention_forward``, sequence by sequence on a packed row; ``[1, L, H, D]``."""
+    bounds = sequence_bounds(position_ids, query.shape[2]) if query.shape[2] == key.shape[2] else None
+    if bounds is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout, scaling, position_ids=position_ids, **kwargs
+        )
+    kwargs.pop("is_causal", None)
+    parts = [
+        sdpa_attention_forward(
+            module,
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            None,
+            dropout,
+            scaling,
+            is_causal=True,
+            **kwargs,
+        )[0]
+        for a, b in bounds
+    ]
+    return torch.cat(parts, dim=1), None
+
+
+AttentionInterface.register(NAME, sdpa_packed_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # built once per forward, unused on packed rows
+
+
+def use_packed_sdpa(model: PreTrainedModel) -> None:
+    """Switches a model on ``sdpa`` to ``sdpa_packed`` (for good: recomputation under activation
+    checkpointing must see the same attention). Other implementations, and models with an active
+    sliding window (which cutting a row into whole sequences would ignore), are left as they are."""
+    config = model.config
+    window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    if config._attn_implementation == "sdpa" and not window:
+        model.set_attn_implementation(NAME)

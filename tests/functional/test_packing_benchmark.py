@@ -1,0 +1,33 @@
+"""Smoke test of benchmarks/packing.py: the three layouts run on the tiny model and the table prints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "packing.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quick_run_prints_padding_and_times_per_layout() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--distributions", "arithmetic", "--rows", "8"],
+        capture_output=True,
+        text=True,
+        timeout=290,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {
+        cells[1].strip(): cells
+        for line in done.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| layout")
+        for cells in [line.split("|")]
+    }
+    assert set(rows) == {"padded", "dynamic", "packed"}
+    assert rows["packed"][3].strip() == "0.0%"  # packing computes no padding
+    assert float(rows["padded"][3].strip().rstrip("%")) > 0
