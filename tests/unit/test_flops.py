@@ -60,3 +60,27 @@ def test_peak_and_mfu() -> None:
     assert mfu(989e12, 1.0, 989e12, devices=4) == 0.25
     with pytest.raises(ValueError, match="positive"):
         mfu(1.0, 0.0, 1.0)
+
+
+def test_flop_meter_on_a_known_gpu(tiny_model_dir) -> None:
+    from rlfleet.algorithms.builders import flop_meter
+    from rlfleet.config import load_recipe, resolve_recipe_path
+    from rlfleet.utils.flops import FlopMeter
+
+    cfg = load_recipe(
+        resolve_recipe_path("grpo-tiny-arithmetic-cpu"), [f"policy.model_name={tiny_model_dir}"]
+    )
+
+    class On:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def accelerator_name(self) -> str:
+            return self.name
+
+    assert flop_meter(cfg, On("cpu")) is None  # type: ignore[arg-type]
+    meter = flop_meter(cfg, On("NVIDIA H100 80GB HBM3"))  # type: ignore[arg-type]
+    assert isinstance(meter, FlopMeter) and meter.peak == 989e12 / 2  # float32 recipe: the TF32 rate
+    shape = meter.shape
+    expected = 3 * forward_flops(shape, [10, 20]) + 2 * forward_flops(shape, [10, 20])
+    assert meter.step_mfu([10, 20], 2, 1.0) == pytest.approx(expected / (989e12 / 2))

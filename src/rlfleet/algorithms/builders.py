@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, replace
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from rlfleet.config import MasterConfig
 from rlfleet.config.batching import Pass, micro_batch_rows, micro_batch_tokens
@@ -33,6 +33,7 @@ from rlfleet.policy.interface import Policy
 from rlfleet.policy.microbatch import MicroBatching
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
 from rlfleet.rewards import ScoringPool, VerifierPool
+from rlfleet.utils.flops import FlopMeter, peak_flops, shape_from_config
 
 log = logging.getLogger("rlfleet")
 
@@ -242,3 +243,13 @@ def micro_batching(cfg: MasterConfig, pass_: Pass) -> MicroBatching:
     if p.sequence_packing.enabled:
         return MicroBatching(rows, tokens, pack=True, algorithm=p.sequence_packing.algorithm)
     return MicroBatching(rows, tokens, round_to=p.dynamic_batching.sequence_length_round)
+
+
+def flop_meter(cfg: MasterConfig, policy: Policy) -> FlopMeter | None:
+    """The MFU meter of a run on GPUs whose peak is known (None on CPUs: no meaningful peak)."""
+    peak = peak_flops(policy.accelerator_name(), 32 if cfg.policy.precision == "float32" else 16)
+    if peak is None:
+        return None
+    with torch.device("meta"):  # the shape only: no memory, no weights read
+        model = AutoModelForCausalLM.from_config(model_source(cfg).load_config())
+    return FlopMeter(shape_from_config(model), peak, compute_layout(cfg)[0].train_world)

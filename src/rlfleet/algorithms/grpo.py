@@ -37,12 +37,12 @@ import torch
 
 from rlfleet.algorithms.advantages import group_advantages, zero_variance_fraction
 from rlfleet.algorithms.async_rollouts import RolloutPrefetcher
-from rlfleet.algorithms.builders import micro_batching
+from rlfleet.algorithms.builders import flop_meter, micro_batching
 from rlfleet.algorithms.dynamic_sampling import SampledGroups, collect_informative_groups, trainable_rows
 from rlfleet.algorithms.evaluation import evaluate
 from rlfleet.algorithms.overlong import OverlongShaping, mask_truncated
 from rlfleet.algorithms.rollouts import Rollout, accuracy, generate_rollouts, mean_response_length, score
-from rlfleet.algorithms.run import RunContext, run_loop, start_run, step_seed
+from rlfleet.algorithms.run import RunContext, closing_run, run_loop, start_run, step_seed
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
 from rlfleet.config.layout import compute_layout
 from rlfleet.generation import GenerationBackend, SamplingParams
@@ -160,6 +160,11 @@ class GRPO:
             max_num_steps=g.max_num_steps,
             max_num_epochs=g.max_num_epochs,
         )
+        try:
+            self.flops = flop_meter(cfg, self.ctx.worker)  # MFU on GPUs with a known peak
+        except BaseException:
+            with closing_run(self.ctx):  # releases the workers started above, then re-raises
+                raise
 
     def step(self) -> dict[str, float]:
         """One GRPO step: this step's rollouts (collected now, or prefetched during the previous step when
@@ -318,8 +323,12 @@ class GRPO:
         }
         out.update(self.backend.take_metrics())
         # the training pass, plus the prev and the reference logprob passes where they run
-        passes = 1 + (not prev_from_forward) + self.ctx.worker.has_reference
-        out.update(self.ctx.worker.take_metrics(int(all_tokens * passes)))
+        extra_passes = int(not prev_from_forward) + int(self.ctx.worker.has_reference)
+        out.update(self.ctx.worker.take_metrics(int(all_tokens * (1 + extra_passes))))
+        if self.flops is not None:
+            lengths = [int(n) for n in batch.attention_mask.sum(dim=1).tolist()]
+            seconds = timing["timing/training"] + timing.get("timing/logprobs", 0.0)
+            out["perf/training_mfu"] = self.flops.step_mfu(lengths, extra_passes, seconds)
         return out
 
     def _log_samples(self, rollouts: Sequence[Rollout]) -> None:

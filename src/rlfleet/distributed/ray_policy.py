@@ -36,6 +36,7 @@ from rlfleet.generation.sampling import row_seeds
 from rlfleet.generation.vllm import VLLMSettings
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch
+from rlfleet.policy.microbatch import MicroBatching
 from rlfleet.policy.worker import LossFn, OptimizerSettings
 
 if TYPE_CHECKING:
@@ -205,8 +206,17 @@ class RayPolicy:
         except WorkerDiedError as exc:
             raise TrainingWorkerLostError.from_death(exc) from exc
 
+    def accelerator_name(self) -> str:
+        """The training ranks' device (rank 0's): a CUDA device name, or ``cpu``."""
+        return self._run("accelerator_name")[0]
+
     def logprobs(
-        self, batch: TrainBatch, micro_batch_size: int, *, reference: bool = False, temperature: float = 1.0
+        self,
+        batch: TrainBatch,
+        micro_batch_size: int | MicroBatching,
+        *,
+        reference: bool = False,
+        temperature: float = 1.0,
     ) -> torch.Tensor:
         return self._run("logprobs", batch, micro_batch_size, reference=reference, temperature=temperature)[0]
 
@@ -216,7 +226,7 @@ class RayPolicy:
         loss_fn: LossFn,
         *,
         global_batch_size: int,
-        micro_batch_size: int,
+        micro_batch_size: int | MicroBatching,
         temperature: float = 1.0,
     ) -> dict[str, float]:
         return self._run(

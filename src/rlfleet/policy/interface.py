@@ -34,6 +34,10 @@ class Policy(Protocol):
         """Whether a frozen copy of the initial weights is kept (``logprobs(..., reference=True)``)."""
         ...
 
+    def accelerator_name(self) -> str:
+        """The training device: a CUDA device name (e.g. ``NVIDIA H200``), or ``cpu``."""
+        ...
+
     def logprobs(
         self,
         batch: TrainBatch,

@@ -112,6 +112,10 @@ class TrainablePolicy(ABC):
     def has_reference(self) -> bool:
         return self.reference is not None
 
+    def accelerator_name(self) -> str:
+        """This worker's device: the CUDA device name (e.g. ``NVIDIA H200``), or ``cpu``."""
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
+
     def _scoring_model(self, reference: bool) -> PreTrainedModel | WithoutAdapters:
         """The policy, or the frozen reference when ``reference`` (which the worker must keep)."""
         if not reference:

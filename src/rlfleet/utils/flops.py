@@ -94,3 +94,18 @@ def mfu(flops: float, seconds: float, peak: float, devices: int = 1) -> float:
     if seconds <= 0 or peak <= 0 or devices < 1:
         raise ValueError(f"mfu needs positive seconds, peak and devices; got {seconds}, {peak}, {devices}")
     return flops / seconds / (peak * devices)
+
+
+@dataclass(frozen=True)
+class FlopMeter:
+    """MFU of the logprob and training passes of a step, on ``devices`` devices of peak ``peak``."""
+
+    shape: ModelShape
+    peak: float
+    devices: int
+
+    def step_mfu(self, sequence_lengths: Sequence[int], extra_forward_passes: int, seconds: float) -> float:
+        """A training pass and ``extra_forward_passes`` logprob passes over the sequences in ``seconds``."""
+        flops = training_flops(self.shape, sequence_lengths)
+        flops += extra_forward_passes * forward_flops(self.shape, sequence_lengths)
+        return mfu(flops, seconds, self.peak, self.devices)
