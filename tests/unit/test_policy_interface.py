@@ -34,7 +34,7 @@ POLICY_ATTRIBUTES = [name for name, member in inspect.getmembers(Policy) if isin
 
 def test_the_interface_lists_what_the_loops_call() -> None:
     assert set(POLICY_METHODS) == {
-        "logprobs", "train", "take_metrics", "save", "load", "load_weights", "close"
+        "accelerator_name", "logprobs", "train", "take_metrics", "save", "load", "load_weights", "close"
     }  # fmt: skip
     assert set(POLICY_ATTRIBUTES) == {"tokenizer", "has_reference"}
 
