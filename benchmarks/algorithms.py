@@ -109,6 +109,17 @@ def sft_start(out: Path, quick: bool) -> Path:
     return model
 
 
+def choose_start(model: str | None, out: Path, quick: bool) -> Path:
+    """``--model``, else ``runs/demo/sft_model`` when ``make train`` wrote it, else an SFT start built under
+    ``out`` (a 3-step one with ``quick``)."""
+    demo_model = Path("runs/demo/sft_model")
+    if model:
+        return Path(model).resolve()
+    if not quick and (demo_model / "config.json").is_file():
+        return demo_model.resolve()
+    return sft_start(out, quick)
+
+
 def run_variant(name: str, model: Path, run_dir: Path, steps: int, extra: list[str]) -> Row:
     overrides = [
         *stage_overrides(run_dir, name, model),
@@ -179,13 +190,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="overrides applied to every row")
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="rlfleet-algorithms-")).resolve()
-    demo_model = Path("runs/demo/sft_model")
-    if args.model:
-        model = Path(args.model).resolve()
-    elif not args.quick and (demo_model / "config.json").is_file():
-        model = demo_model.resolve()
-    else:
-        model = sft_start(out, args.quick)
+    model = choose_start(args.model, out, args.quick)
     steps = args.steps if args.steps is not None else (2 if args.quick else 80)
     names = args.variants or [n for n in VARIANTS if n != "GRPO+LoRA" or args.lora]
     extra = [*(QUICK if args.quick else ()), *args.overrides]

@@ -33,7 +33,7 @@ from rlfleet.demo import GRPO_RECIPE, stage_overrides
 from rlfleet.logging import read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from algorithms import QUICK, sft_start  # the SFT start shared with the variants table
+from algorithms import QUICK, choose_start  # the SFT start shared with the variants table
 
 LAYOUT = (
     "cluster.use_ray=true",
@@ -95,13 +95,7 @@ def main() -> None:
     if args.steps < 2:
         parser.error("--steps must be at least 2 (step 1 has nothing to overlap)")
     out = Path(args.out or tempfile.mkdtemp(prefix="rlfleet-async-")).resolve()
-    demo_model = Path("runs/demo/sft_model")
-    if args.model:
-        model = Path(args.model).resolve()
-    elif not args.quick and (demo_model / "config.json").is_file():
-        model = demo_model.resolve()
-    else:
-        model = sft_start(out, args.quick)
+    model = choose_start(args.model, out, args.quick)
     extra = [*(QUICK if args.quick else ()), *args.overrides]
     rows = {}
     for name in ("sync", "async"):

@@ -146,6 +146,22 @@ def small_grpo_overrides(model_dir: Path, run_dir: Path) -> list[str]:
     ]
 
 
+def kill_in_step(trainer: Any, step: int) -> None:
+    """Runs ``trainer.train()`` and kills it (``KeyboardInterrupt``) as step ``step`` starts: after the
+    checkpoints of the steps before it, in the middle of the run."""
+    original_step, calls = trainer.step, []
+
+    def crash() -> dict[str, float]:
+        calls.append(1)
+        if len(calls) == step:
+            raise KeyboardInterrupt("simulated kill")
+        return original_step()
+
+    trainer.step = crash
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+
+
 def small_grpo_config(model_dir: Path, run_dir: Path, *extra: str) -> MasterConfig:
     path = resolve_recipe_path("grpo-tiny-arithmetic-cpu")
     return load_recipe(path, [*small_grpo_overrides(model_dir, run_dir), *extra])

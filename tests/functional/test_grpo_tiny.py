@@ -14,7 +14,7 @@ from rlfleet.distributed.parallelize import is_checkpointed
 from rlfleet.logging import read_metrics
 from rlfleet.policy.batch import collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
-from tests.conftest import small_grpo_config
+from tests.conftest import kill_in_step, small_grpo_config
 
 DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"
 
@@ -48,17 +48,7 @@ def test_killed_run_resumes_to_identical_weights_and_metrics(tiny_model_dir: Pat
     full.train()
 
     interrupted = GRPO(small_grpo_config(tiny_model_dir, tmp_path / "resumed", *extra))
-    original_step, calls = interrupted.step, []
-
-    def crash_in_step_three() -> dict[str, float]:
-        calls.append(1)
-        if len(calls) == 3:  # after the step-2 checkpoint, in the middle of step 3
-            raise KeyboardInterrupt("simulated kill")
-        return original_step()
-
-    interrupted.step = crash_in_step_three  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        interrupted.train()
+    kill_in_step(interrupted, 3)  # after the step-2 checkpoint, in the middle of step 3
 
     resumed = GRPO(small_grpo_config(tiny_model_dir, tmp_path / "resumed", *extra))
     assert resumed.ctx.step == 2

@@ -25,7 +25,7 @@ from rlfleet.generation.interface import SamplingParams
 from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import LoRALinear, LoraSettings, LoraTargetError, WithoutAdapters, merged_state_dict
 from rlfleet.policy.worker import PolicyWorker
-from tests.conftest import TEST_OPTIMIZER, pg_loss, small_grpo_config, worker_batch
+from tests.conftest import TEST_OPTIMIZER, kill_in_step, pg_loss, small_grpo_config, worker_batch
 
 LORA = LoraSettings(dim=4, alpha=8.0)
 ENABLE = "policy.dtensor_cfg.lora_cfg.enabled=true"
@@ -221,17 +221,7 @@ def test_lora_run_resumes_to_identical_weights(tiny_model_dir: Path, tmp_path: P
     full = GRPO(small_grpo_config(tiny_model_dir, tmp_path / "full", *extra))
     full.train()
     interrupted = GRPO(small_grpo_config(tiny_model_dir, tmp_path / "resumed", *extra))
-    original_step, calls = interrupted.step, []
-
-    def crash_in_step_three() -> dict[str, float]:
-        calls.append(1)
-        if len(calls) == 3:  # after the step-2 checkpoint
-            raise KeyboardInterrupt("simulated kill")
-        return original_step()
-
-    interrupted.step = crash_in_step_three  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        interrupted.train()
+    kill_in_step(interrupted, 3)  # after the step-2 checkpoint, in the middle of step 3
     resumed = GRPO(small_grpo_config(tiny_model_dir, tmp_path / "resumed", *extra))
     assert resumed.ctx.step == 2
     resumed.train()
