@@ -24,6 +24,7 @@ The in-process ``PolicyWorker`` is the no-mesh (world size 1) case of ``build_po
 
 from __future__ import annotations
 
+import logging
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -34,6 +35,9 @@ from transformers import PreTrainedModel
 from rlfleet.distributed.parallelize import checkpoint_layers, parallelize
 from rlfleet.models.loading import DTYPES, ModelSource, load_model
 from rlfleet.models.lora import LoraSettings, WithoutAdapters, apply_lora
+from rlfleet.utils.cpu import cpu_flags, slow_cpu_precision
+
+log = logging.getLogger("rlfleet")
 
 MASTER_DTYPE = torch.float32
 
@@ -94,6 +98,8 @@ def build_policy_models(
     """
     compute = DTYPES[source.precision]
     cast = compute if compute != MASTER_DTYPE else None
+    if device.type == "cpu" and (why := slow_cpu_precision(source.precision, cpu_flags())) is not None:
+        log.warning(why)
     model = load_model(source.model_name, "float32", source.gguf_file).to(device)
     if lora is not None:
         apply_lora(model, lora)
