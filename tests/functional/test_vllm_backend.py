@@ -96,6 +96,16 @@ def test_each_row_depends_on_its_own_seed_only(
     assert [r.token_ids for r in alone] == [whole[i].token_ids for i in order]
 
 
+def test_seeded_rows_beyond_one_step_token_budget(engine: VLLMGenerationBackend) -> None:
+    """More prompt tokens than one engine step takes: on CPU, prefill must not be split (a seeded request's
+    generator cannot be rewound there; the engine used to die with "CPU Generator does not use offset")."""
+    long_prompts = [[5 + (i * 7 + j) % 50 for j in range(100)] for i in range(96)]  # 9,600 prompt tokens
+    out = engine.generate_rows(long_prompts, SAMPLED, row_seeds(3, len(long_prompts)))
+    assert len(out) == 96 and all(r.token_ids for r in out)
+    again = engine.generate_rows(long_prompts[:5], SAMPLED, row_seeds(3, 5))
+    assert [r.token_ids for r in again] == [r.token_ids for r in out[:5]]  # batch-invariant as ever
+
+
 def test_refit_loads_the_trainers_new_weights(
     engine: VLLMGenerationBackend, worker: PolicyWorker, prompts: list[list[int]]
 ) -> None:

@@ -111,6 +111,21 @@ def weight_buckets(
         yield bucket
 
 
+def cpu_scheduling(max_model_len: int) -> dict[str, Any]:
+    """Scheduler settings the CPU build needs for seeded sampling: no chunked prefill.
+
+    When a prompt's prefill is split over engine steps, vLLM rewinds the request's torch generator
+    (``set_offset``), which a CPU generator does not support: the engine dies ("CPU Generator does not use
+    offset") as soon as a step's prompts exceed the token budget. Without chunking a prompt waits for the
+    next step instead, so the budget must hold the longest one. GPUs keep vLLM's defaults.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
+
+
 def _scratch_dir() -> str:
     """Where refit files go: RAM-backed ``/dev/shm`` when there is one, else the temp directory."""
     shm = "/dev/shm"
@@ -214,6 +229,7 @@ class VLLMGenerationBackend:
             "logprobs_mode": "processed_logprobs",  # after temperature, as the trainer scores them
             "generation_config": "vllm",  # ignore the checkpoint's sampling defaults, as the HF backend does
             "enable_sleep_mode": self.sleeps,
+            **cpu_scheduling(s.max_model_len),
             **s.engine_kwargs,
         }
         start = time.perf_counter()
