@@ -37,7 +37,7 @@ from pathlib import Path
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.algorithms.sft import sft_train
 from rlfleet.checkpoint import CheckpointManager, export_hf
-from rlfleet.config import load_recipe, resolve_recipe_path, schema_keys
+from rlfleet.config import MasterConfig, load_recipe, resolve_recipe_path, schema_keys
 from rlfleet.demo import GRPO_RECIPE, SFT_RECIPE, ensure_tiny_model, stage_overrides
 from rlfleet.logging import read_metrics
 
@@ -120,6 +120,15 @@ def choose_start(model: str | None, out: Path, quick: bool) -> Path:
     return sft_start(out, quick)
 
 
+def timed_run(cfg: MasterConfig) -> tuple[float, list[dict], list[float]]:
+    """Runs GRPO as configured: (wall seconds, the logged metrics, the validation accuracies in order)."""
+    start = time.perf_counter()
+    GRPO(cfg).train()
+    wall = time.perf_counter() - start
+    records = read_metrics(Path(cfg.logger.log_dir))
+    return wall, records, [r["val/accuracy"] for r in records if r.get("val/accuracy") is not None]
+
+
 def run_variant(name: str, model: Path, run_dir: Path, steps: int, extra: list[str]) -> Row:
     overrides = [
         *stage_overrides(run_dir, name, model),
@@ -139,11 +148,7 @@ def run_variant(name: str, model: Path, run_dir: Path, steps: int, extra: list[s
         buffer = max(1, cfg.policy.generation.max_new_tokens // 4)
         overrides.append(f"grpo.reward_shaping.overlong_buffer_length={buffer}")
         cfg = load_recipe(resolve_recipe_path(GRPO_RECIPE), overrides)
-    start = time.perf_counter()
-    GRPO(cfg).train()
-    wall = time.perf_counter() - start
-    records = read_metrics(Path(cfg.logger.log_dir))
-    val = [r["val/accuracy"] for r in records if r.get("val/accuracy") is not None]
+    wall, records, val = timed_run(cfg)
     steps_done = [r for r in records if "train/num_tokens" in r]
     skipped = int(sum(r.get("train/update_skipped", 0.0) for r in steps_done))
     notes = [f"{skipped} update(s) skipped"] if skipped else []

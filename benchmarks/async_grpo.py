@@ -24,16 +24,13 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from rlfleet.algorithms.grpo import GRPO
 from rlfleet.config import load_recipe, resolve_recipe_path
 from rlfleet.demo import GRPO_RECIPE, stage_overrides
-from rlfleet.logging import read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from algorithms import QUICK, choose_start  # the SFT start shared with the variants table
+from algorithms import QUICK, choose_start, timed_run  # the SFT start shared with the variants table
 
 LAYOUT = (
     "cluster.use_ray=true",
@@ -60,11 +57,7 @@ def run(name: str, model: Path, out: Path, steps: int, extra: list[str]) -> dict
         *extra,
     ]
     cfg = load_recipe(resolve_recipe_path(GRPO_RECIPE), overrides)
-    start = time.perf_counter()
-    GRPO(cfg).train()
-    wall = time.perf_counter() - start
-    records = read_metrics(Path(cfg.logger.log_dir))
-    val = [r["val/accuracy"] for r in records if r.get("val/accuracy") is not None]
+    wall, records, val = timed_run(cfg)
     later = [r for r in records if "timing/training" in r][1:]  # step 1 has nothing to overlap
 
     def mean(key: str) -> float:
