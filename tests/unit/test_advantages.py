@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from rlfleet.algorithms.advantages import group_advantages, zero_variance_fraction
+from rlfleet.algorithms.advantages import baseline_and_std, group_advantages, zero_variance_fraction
 
 
 def test_leave_one_out_baseline_by_hand():
@@ -43,3 +43,39 @@ def test_bad_shapes_are_rejected():
 
 def test_zero_variance_fraction():
     assert zero_variance_fraction(torch.tensor([1.0, 1.0, 0.0, 1.0]), 2) == 0.5
+
+
+def test_leave_one_out_std_is_the_others_std_as_nemo_rl():
+    """A lone success among failures: its three peers have no spread, so it keeps its raw advantage; each
+    failure is divided by the unbiased std of {1, 0, 0}."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    adv = group_advantages(rewards, 4, leave_one_out=True, normalize=True)
+    others_std = torch.tensor([1.0, 0.0, 0.0]).std()
+    expected = torch.tensor([1.0, *(3 * [(-1 / 3) / (float(others_std) + 1e-6)])])
+    torch.testing.assert_close(adv, expected)
+    assert abs(float(adv.sum())) > 0.5  # no zero sum under the leave-one-out std
+
+
+def test_group_std_option_keeps_one_scale_per_group():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 0.0, 1.0, 1.0])
+    adv = group_advantages(rewards, 4, leave_one_out=True, normalize=True, std_over="group")
+    raw = group_advantages(rewards, 4, leave_one_out=True, normalize=False)
+    stds = rewards.reshape(2, 4).std(dim=1).repeat_interleave(4)
+    torch.testing.assert_close(adv, raw / (stds + 1e-6))
+    torch.testing.assert_close(adv.reshape(2, 4).sum(dim=1), torch.zeros(2), atol=1e-6, rtol=0)
+
+
+def test_leave_one_out_std_of_equal_others_is_exactly_zero():
+    """Others that are all 0.1 have std 0 exactly (not a rounding residue that a division would blow up)."""
+    rewards = torch.tensor([0.7, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1])
+    baseline, std = baseline_and_std(rewards, 8, leave_one_out=True)
+    assert std[0] == 0.0 and (std[1:] > 0).all()
+    adv = group_advantages(rewards, 8, leave_one_out=True, normalize=True)
+    torch.testing.assert_close(adv[0], rewards[0] - baseline[0])
+
+
+def test_without_leave_one_out_both_std_choices_agree():
+    rewards = torch.rand(12, generator=torch.Generator().manual_seed(0))
+    a = group_advantages(rewards, 4, leave_one_out=False, normalize=True, std_over="baseline_samples")
+    b = group_advantages(rewards, 4, leave_one_out=False, normalize=True, std_over="group")
+    assert torch.equal(a, b)

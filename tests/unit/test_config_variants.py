@@ -28,6 +28,13 @@ def _check(*overrides: str) -> None:
             "loss_fn.truncated_importance_sampling_ratio=5.0",
             "loss_fn.truncated_importance_sampling_ratio_min=0.5",
         ],
+        [  # NeMo RL's tis with a floor: clamp(w, 0.5, 2)
+            "loss_fn.use_importance_sampling_correction=true",
+            "loss_fn.truncated_importance_sampling_type=tis",
+            "loss_fn.truncated_importance_sampling_ratio=2.0",
+            "loss_fn.truncated_importance_sampling_ratio_min=0.5",
+        ],
+        ["loss_fn.reference_policy_kl_type=k2", "loss_fn.use_on_policy_kl_approximation=true"],
         ["loss_fn.sequence_level_importance_ratios=true", "loss_fn.token_level_loss=false"],
         [
             "loss_fn.max_length_normalization=true",
@@ -77,7 +84,7 @@ def test_coherent_variant_configs_pass(overrides: list[str]) -> None:
                 "loss_fn.truncated_importance_sampling_ratio=2",
                 "loss_fn.truncated_importance_sampling_ratio_min=0.5",
             ],
-            "is used only by icepop and seq-mask-tis",
+            "loss_fn.truncated_importance_sampling_type is null; fix: set the type",
         ),
         (
             [
@@ -86,7 +93,11 @@ def test_coherent_variant_configs_pass(overrides: list[str]) -> None:
                 "loss_fn.truncated_importance_sampling_ratio=0.5",
                 "loss_fn.truncated_importance_sampling_ratio_min=2",
             ],
-            "must be < loss_fn.truncated_importance_sampling_ratio=0.5",
+            "must be <= loss_fn.truncated_importance_sampling_ratio=0.5",
+        ),
+        (
+            ["loss_fn.use_on_policy_kl_approximation=true", "loss_fn.reference_policy_kl_penalty=0"],
+            "loss_fn.reference_policy_kl_penalty=0, so it would be ignored",
         ),
         (["loss_fn.sequence_level_importance_ratios=true"], "fix: loss_fn.token_level_loss=false"),
         (["loss_fn.max_length_normalization=true"], "fix: loss_fn.token_level_loss=false"),
@@ -124,6 +135,15 @@ def test_summary_names_each_variant() -> None:
     assert "token sums / 64 (Dr.GRPO" in summary("loss_fn.max_length_normalization=true")
     assert "truncated at 2 (tis)" in summary(
         "loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_ratio=2"
+    )
+    assert "clamped to [0.5, 2] (tis)" in summary(
+        "loss_fn.use_importance_sampling_correction=true",
+        "loss_fn.truncated_importance_sampling_type=tis",
+        "loss_fn.truncated_importance_sampling_ratio=2",
+        "loss_fn.truncated_importance_sampling_ratio_min=0.5",
+    )
+    assert "k3 KL x 0.01" in summary() and "k1 KL x 0.01, weighted by pi / pi_gen" in summary(
+        "loss_fn.reference_policy_kl_type=k1", "loss_fn.use_on_policy_kl_approximation=true"
     )
     dapo = summary(
         "grpo.use_dynamic_sampling=true",

@@ -2,6 +2,7 @@
 token-by-token reference, as for the plain clipped loss in test_loss.py."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -140,7 +141,7 @@ def _reference(
             if is_type is not None:
                 w = math.exp(prev[i][t] - gen[i][t])
                 if is_type == "tis":
-                    w = min(w, is_hi)
+                    w = min(max(w, is_lo or 0.0), is_hi)
                 elif is_type == "icepop":
                     w = w if is_lo <= w <= is_hi else 0.0
                 elif is_type == "seq-mask-tis":
@@ -191,7 +192,8 @@ def test_dr_grpo_is_micro_batch_invariant_in_loss_and_gradient():
 
 
 @pytest.mark.parametrize(
-    ("kind", "low", "high"), [("tis", None, 1.2), ("icepop", 0.8, 1.3), ("seq-mask-tis", 0.7, 1.5)]
+    ("kind", "low", "high"),
+    [("tis", None, 1.2), ("tis", 0.9, 1.2), ("icepop", 0.8, 1.3), ("seq-mask-tis", 0.7, 1.5)],
 )
 def test_bounded_importance_sampling_matches_the_float64_reference(kind, low, high):
     logp, batch = _batch(4)
@@ -227,8 +229,10 @@ def test_bounded_importance_sampling_matches_the_float64_reference(kind, low, hi
         assert metrics["is_oob_ratio"] == pytest.approx(float((~inside)[mask].double().mean()), rel=1e-12)
         applied = torch.where(inside, w, 0.0)
     else:
-        assert metrics["is_oob_ratio"] == pytest.approx(float((w > high)[mask].double().mean()), rel=1e-12)
-        applied = w.clamp(max=high)
+        floor = low or 0.0
+        hit = (w > high) | (w < floor)
+        assert metrics["is_oob_ratio"] == pytest.approx(float(hit[mask].double().mean()), rel=1e-12)
+        applied = w.clamp(min=floor, max=high)
     assert metrics["sampling_importance_ratio"] == pytest.approx(float(applied[mask].mean()), rel=1e-12)
     assert 0.0 < metrics["is_oob_ratio"] < 1.0  # the fixture's mismatch is large enough to hit the bound
 
@@ -255,3 +259,39 @@ def test_untruncated_correction_still_reports_the_mean_weight_only():
 def test_incoherent_loss_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ClippedPGLossFn(0.2, 0.2, None, 0.0, 20.0, 10.0, True, False, **kwargs)
+
+
+def test_tis_floor_clamps_from_below_as_nemo_rl() -> None:
+    """``tis`` with ``ratio_min``: weights are clamped to ``[min, max]`` (NeMo RL's lower bound; 0 unset)."""
+    w = torch.tensor([[0.1, 0.6, 1.0, 3.0]])
+    floored = truncate_weights(w, 2.0, 0.5)
+    torch.testing.assert_close(floored.weights, torch.tensor([[0.5, 0.6, 1.0, 2.0]]))
+    torch.testing.assert_close(floored.out_of_band, torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
+    unset = truncate_weights(w, 2.0)
+    torch.testing.assert_close(unset.weights, torch.tensor([[0.1, 0.6, 1.0, 2.0]]))
+
+
+def test_the_loss_honours_the_tis_floor_and_refuses_orphan_bounds() -> None:
+    """The loss reaches the floor (the weights of low-ratio tokens are raised to it), and bounds without a
+    truncation type are refused rather than ignored."""
+    prev = torch.tensor([[-1.0, -1.0]])
+    gen = torch.tensor([[0.0, -1.0]])  # w = [e^-1 ~ 0.37, 1]
+    batch = TrainBatch(
+        input_ids=torch.zeros(1, 2, dtype=torch.long),
+        attention_mask=torch.ones(1, 2, dtype=torch.long),
+        response_mask=torch.ones(1, 2),
+        advantages=torch.tensor([1.0]),
+        prev_logprobs=prev,
+        generation_logprobs=gen,
+    )
+    norm = Normalizer(num_tokens=2.0, num_sequences=1.0)
+
+    def loss(low: float | None) -> float:
+        fn = ClippedPGLossFn(0.2, 0.2, None, 0.0, 20.0, 10.0, True, True, truncation="tis")
+        fn = replace(fn, truncation_ratio_max=2.0, truncation_ratio_min=low)
+        return float(fn(prev.clone(), batch, norm)[0])
+
+    assert loss(None) == pytest.approx(-(math.exp(-1.0) + 1.0) / 2)
+    assert loss(0.5) == pytest.approx(-(0.5 + 1.0) / 2)
+    with pytest.raises(ValueError, match="without a truncation type"):
+        ClippedPGLossFn(0.2, 0.2, None, 0.0, 20.0, 10.0, True, True, truncation_ratio_min=0.5)

@@ -2,15 +2,87 @@
 
 Rewards arrive as a flat tensor of ``num_prompts * group_size`` values in which the samples of one prompt
 are contiguous.
+
+With ``grpo.use_leave_one_out_baseline`` and ``grpo.normalize_rewards`` (NeMo RL's defaults), sample ``i``'s
+advantage is ``(r_i - mean of the others) / (std of the others + eps)``, the std taken over the same
+``G - 1`` samples as the baseline (unbiased), as NeMo RL's ``calculate_baseline_and_std_per_prompt`` does.
+``grpo.advantage_std=group`` instead divides every sample of a group by the whole group's std, one scale
+per group (the DeepSeekMath paper's normalisation): with the leave-one-out std, a lone success among
+failures has peers of zero spread and keeps its raw advantage while its peers are scaled up, so the
+group's advantages no longer sum to zero; the group std keeps that zero sum.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+
+AdvantageStd = Literal["baseline_samples", "group"]
+
+
+def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    if rewards.ndim != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
+    return rewards.reshape(-1, group_size)  # [P, G]
+
+
+def leave_one_out_std(grouped: torch.Tensor) -> torch.Tensor:
+    """``[P, G]`` unbiased std of the ``G - 1`` rewards other than each sample; 0 where they are all equal
+    or fewer than two (exact zeros, never a rounding residue that would blow up a division)."""
+    size = grouped.shape[1]
+    if size < 3:
+        return torch.zeros_like(grouped)
+    others = ~torch.eye(size, dtype=torch.bool, device=grouped.device)  # [G, G]: row i = samples j != i
+    values = grouped.unsqueeze(1).expand(-1, size, -1)  # [P, G, G]
+    mean = (values * others).sum(dim=2, keepdim=True) / (size - 1)
+    var = (((values - mean) * others) ** 2).sum(dim=2) / (size - 2)
+    high = values.masked_fill(~others, float("-inf")).amax(dim=2)
+    low = values.masked_fill(~others, float("inf")).amin(dim=2)
+    return torch.where(high == low, torch.zeros_like(var), var.sqrt())
+
+
+def baseline_and_std(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    leave_one_out: bool,
+    std_over: AdvantageStd = "baseline_samples",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([P * G], [P * G])``: each sample's baseline and the std its advantage is divided by.
+
+    Args:
+        rewards: ``[P * G]`` rewards, groups contiguous.
+        group_size: ``G``, samples per prompt.
+        leave_one_out: Baseline is the mean of the *other* ``G - 1`` samples (else the group mean).
+        std_over: ``baseline_samples``: the unbiased std of the samples the baseline averages (the other
+            ``G - 1`` with a leave-one-out baseline; NeMo RL); ``group``: the whole group's, for every sample.
+    """
+    if leave_one_out and group_size < 2:
+        raise ValueError("a leave-one-out baseline needs at least 2 samples per prompt")
+    grouped = _grouped(rewards, group_size)
+    if leave_one_out:
+        baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    else:
+        baseline = grouped.mean(dim=1, keepdim=True).expand_as(grouped)
+    if leave_one_out and std_over == "baseline_samples":
+        std = leave_one_out_std(grouped)
+    elif group_size > 1:
+        constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+        std = torch.where(constant, 0.0, grouped.std(dim=1, keepdim=True)).expand_as(grouped)
+    else:
+        std = torch.zeros_like(grouped)
+    return baseline.reshape(-1), std.reshape(-1)
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, *, leave_one_out: bool, normalize: bool, eps: float = 1e-6
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    leave_one_out: bool,
+    normalize: bool,
+    std_over: AdvantageStd = "baseline_samples",
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """Advantage of each sample relative to the other samples of its prompt.
 
@@ -18,31 +90,23 @@ def group_advantages(
         rewards: ``[P * G]`` rewards, groups contiguous.
         group_size: ``G``, samples per prompt.
         leave_one_out: Baseline is the mean of the *other* ``G - 1`` samples (else the group mean).
-        normalize: Divide by the group's standard deviation (+ ``eps``) where it is non-zero.
+        normalize: Divide by the std (+ ``eps``) where it is non-zero (see :func:`baseline_and_std`).
+        std_over: Which samples' std (see :func:`baseline_and_std`).
         eps: Added to the standard deviation.
 
     Returns:
         ``[P * G]`` advantages; exactly 0 for every sample of a group whose rewards are all equal.
     """
-    if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
-    if leave_one_out and group_size < 2:
-        raise ValueError("a leave-one-out baseline needs at least 2 samples per prompt")
-    grouped = rewards.reshape(-1, group_size)  # [P, G]
-    if leave_one_out:
-        baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
-    else:
-        baseline = grouped.mean(dim=1, keepdim=True)
-    adv = grouped - baseline
-    std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(baseline)
-    constant = std == 0  # [P, 1]
+    baseline, std = baseline_and_std(rewards, group_size, leave_one_out=leave_one_out, std_over=std_over)
+    adv = rewards - baseline
     if normalize:
-        adv = torch.where(constant, adv, adv / (std + eps))
-    adv = torch.where(constant, torch.zeros_like(adv), adv)
-    return adv.reshape(-1)
+        adv = torch.where(std > 0, adv / (std + eps), adv)
+    grouped = _grouped(rewards, group_size)
+    flat = (grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)).expand_as(grouped)
+    return torch.where(flat.reshape(-1), torch.zeros_like(adv), adv)
 
 
 def zero_variance_fraction(rewards: torch.Tensor, group_size: int) -> float:
     """Fraction of groups whose rewards are all equal (they carry no learning signal)."""
-    grouped = rewards.reshape(-1, group_size)
+    grouped = _grouped(rewards, group_size)
     return float((grouped.max(dim=1).values == grouped.min(dim=1).values).float().mean())

@@ -10,7 +10,8 @@ separate pass (as TRL does); the reference pass runs only with a KL penalty (the
 without one).
 
 Departures from the DeepSeekMath paper, as in NeMo RL: the baseline leaves the sample itself out, the
-advantage is divided by the group std only where it is non-zero, and the loss is a token-level mean over
+advantage is divided by the std of the same other samples only where it is non-zero
+(``grpo.advantage_std=group`` takes the paper's whole-group std), and the loss is a token-level mean over
 the whole global batch (``loss_fn.token_level_loss``).
 
 Variants, switched by config: DAPO's dynamic sampling (``grpo.use_dynamic_sampling``, see
@@ -70,6 +71,7 @@ def loss_from_config(cfg: MasterConfig) -> ClippedPGLossFn:
         dual_clip_c=lf.ratio_clip_c,
         kl_penalty=lf.reference_policy_kl_penalty,
         kl_type=lf.reference_policy_kl_type,
+        use_on_policy_kl_approximation=lf.use_on_policy_kl_approximation,
         kl_input_clamp=lf.kl_input_clamp_value,
         kl_output_clamp=lf.kl_output_clamp_value,
         token_level=lf.token_level_loss,
@@ -226,6 +228,7 @@ class GRPO:
             g.num_generations_per_prompt,
             leave_one_out=g.use_leave_one_out_baseline,
             normalize=g.normalize_rewards,
+            std_over=g.advantage_std,
         )
         batch = rollout_batch(rollouts, advantages, worker.tokenizer.pad_token_id)
         if g.overlong_filtering:

@@ -22,7 +22,11 @@ def _loss(cfg: MasterConfig) -> str:
         agg = "mean over the global batch's tokens"
     else:
         agg = "mean of per-sequence means"
-    kl = f"k3 KL x {lf.reference_policy_kl_penalty:g}" if lf.reference_policy_kl_penalty > 0 else "no KL"
+    kl = "no KL"
+    if lf.reference_policy_kl_penalty > 0:
+        kl = f"{lf.reference_policy_kl_type} KL x {lf.reference_policy_kl_penalty:g}"
+        if lf.use_on_policy_kl_approximation:
+            kl += ", weighted by pi / pi_gen"
     return f"{ratio} {clip}; {agg}; {kl}"
 
 
@@ -38,17 +42,26 @@ def _importance_sampling(cfg: MasterConfig) -> str:
     )
     if kind is None and high is None:
         return f"pi_prev / pi_gen {level}, untruncated"
+    if kind in (None, "tis") and low:
+        return f"pi_prev / pi_gen {level}, clamped to [{low:g}, {high:g}] (tis)"
     if kind in (None, "tis"):
         return f"pi_prev / pi_gen {level}, truncated at {high:g} (tis)"
     unit = "tokens" if kind == "icepop" else "sequences (geometric mean)"
     return f"pi_prev / pi_gen {level}, {unit} outside [{low:g}, {high:g}] masked ({kind})"
 
 
+def _std(cfg: MasterConfig) -> str:
+    g = cfg.grpo
+    if g.advantage_std == "group" or not g.use_leave_one_out_baseline:
+        return "advantages / group std"
+    return "advantages / std of the other samples"
+
+
 def _sampling(cfg: MasterConfig) -> str:
     g = cfg.grpo
     parts = [
         "leave-one-out baseline" if g.use_leave_one_out_baseline else "group-mean baseline",
-        "advantages / group std" if g.normalize_rewards else "no std normalisation",
+        _std(cfg) if g.normalize_rewards else "no std normalisation",
     ]
     if g.use_dynamic_sampling:
         per_round = int(g.num_prompts_per_step * g.batch_multiplier)

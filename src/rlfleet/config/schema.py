@@ -56,8 +56,14 @@ class GRPOConfig(Strict):
     num_generations_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the group size G).")
     max_num_steps: int = Field(100, ge=0, description="Stop after this many GRPO steps.")
     max_num_epochs: int = Field(1, ge=1, description="Stop after this many passes over the training prompts.")
-    normalize_rewards: bool = Field(True, description="Divide advantages by the group std (where std > 0).")
+    normalize_rewards: bool = Field(True, description="Divide advantages by a std (where std > 0).")
     use_leave_one_out_baseline: bool = Field(True, description="Baseline = mean of the *other* samples.")
+    advantage_std: Literal["baseline_samples", "group"] = Field(
+        "baseline_samples",
+        description="The std normalize_rewards divides by: baseline_samples = of the samples the baseline "
+        "averages (the other G-1 with a leave-one-out baseline, as NeMo RL); group = the whole group's "
+        "(one scale per group, as the DeepSeekMath paper). Not a NeMo RL key.",
+    )
     val_period: int = Field(10, ge=0, description="Validate every N steps (0 = only at start/end).")
     val_at_start: bool = Field(True, description="Validate before the first step.")
     val_at_end: bool = Field(True, description="Validate after the last step.")
@@ -101,10 +107,19 @@ class SFTConfig(Strict):
 
 
 class LossConfig(Strict):
-    """Clipped policy-gradient loss with a k3 KL penalty to the reference policy (NeMo RL ``loss_fn``)."""
+    """Clipped policy-gradient loss with a KL penalty to the reference policy (NeMo RL ``loss_fn``)."""
 
     reference_policy_kl_penalty: float = Field(0.01, ge=0.0, description="beta, the KL coefficient.")
-    reference_policy_kl_type: Literal["k3"] = "k3"
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = Field(
+        "k3",
+        description="Per-token estimator of KL(pi || pi_ref) (x = ref_logp - logp): k1 = -x, k2 = x^2/2, "
+        "k3 = exp(x) - 1 - x; each weighted so its expected gradient is that of KL(pi || pi_ref).",
+    )
+    use_on_policy_kl_approximation: bool = Field(
+        False,
+        description="Weight the KL term by pi / pi_gen (the generation engine's logprobs), the importance "
+        "ratio for tokens sampled by another (older or differently computed) policy.",
+    )
     kl_input_clamp_value: float | None = Field(20.0, gt=0.0)
     kl_output_clamp_value: float | None = Field(10.0, gt=0.0)
     ratio_clip_min: float = Field(0.2, ge=0.0, description="eps_low: ratio clipped below at 1 - eps_low.")
@@ -121,13 +136,13 @@ class LossConfig(Strict):
         "seq-mask-tis). Set alone, it truncates (tis), as older NeMo RL recipes mean.",
     )
     truncated_importance_sampling_ratio_min: float | None = Field(
-        None, gt=0.0, description="The band's lower end (icepop, seq-mask-tis)."
+        None, ge=0.0, description="The band's lower end (icepop, seq-mask-tis), or tis's floor (default 0)."
     )
     truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = Field(
         None,
-        description="tis: min(w, cap); icepop: tokens with w outside [min, max] get weight 0; seq-mask-tis: "
-        "sequences whose geometric-mean w is outside [min, max] get weight 0. Null: tis when "
-        "truncated_importance_sampling_ratio is set, else untruncated.",
+        description="tis: clamp(w, ratio_min or 0, cap); icepop: tokens with w outside [min, max] get "
+        "weight 0; seq-mask-tis: sequences whose geometric-mean w is outside [min, max] get weight 0. "
+        "Null: tis when truncated_importance_sampling_ratio is set, else untruncated.",
     )
     sequence_level_importance_ratios: bool = Field(
         False,

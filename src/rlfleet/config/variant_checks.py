@@ -58,6 +58,12 @@ def loss_problems(cfg: MasterConfig) -> list[str]:
             "loss_fn.use_importance_sampling_correction=false, so they would be ignored; fix: "
             "loss_fn.use_importance_sampling_correction=true, or unset them (null)"
         )
+    if lf.use_on_policy_kl_approximation and lf.reference_policy_kl_penalty == 0:
+        problems.append(
+            "loss_fn.use_on_policy_kl_approximation=true weights the KL penalty, but "
+            "loss_fn.reference_policy_kl_penalty=0, so it would be ignored; fix: a positive "
+            "reference_policy_kl_penalty, or use_on_policy_kl_approximation=false"
+        )
     if kind is not None and high is None:
         problems.append(
             f"loss_fn.truncated_importance_sampling_type={kind} needs "
@@ -69,14 +75,15 @@ def loss_problems(cfg: MasterConfig) -> list[str]:
             f"loss_fn.truncated_importance_sampling_type={kind} masks outside [ratio_min, ratio]: set "
             "loss_fn.truncated_importance_sampling_ratio_min (e.g. 0.5 for icepop, 0.999 for seq-mask-tis)"
         )
-    if low is not None and kind not in ("icepop", "seq-mask-tis"):
+    if low is not None and kind is None:
         problems.append(
-            f"loss_fn.truncated_importance_sampling_ratio_min={low} is used only by icepop and seq-mask-tis "
-            f"(type is {kind}); fix: unset it, or loss_fn.truncated_importance_sampling_type=icepop"
+            f"loss_fn.truncated_importance_sampling_ratio_min={low} bounds a truncation, but "
+            "loss_fn.truncated_importance_sampling_type is null; fix: set the type (tis clamps to "
+            "[ratio_min, ratio]; icepop and seq-mask-tis mask outside it), or unset ratio_min"
         )
-    if low is not None and high is not None and low >= high:
+    if low is not None and high is not None and low > high:
         problems.append(
-            f"loss_fn.truncated_importance_sampling_ratio_min={low} must be < "
+            f"loss_fn.truncated_importance_sampling_ratio_min={low} must be <= "
             f"loss_fn.truncated_importance_sampling_ratio={high}; fix: a band with min < 1 < max"
         )
     if kind == "seq-mask-tis" and lf.sequence_level_importance_ratios:

@@ -7,7 +7,7 @@ exp(prev_logp - gen_logp)`` (detached), as NeMo RL does (``loss_fn.use_importanc
 Unbounded, a few tokens with a large mismatch can dominate the update, hence the bounded variants that
 ``loss_fn.truncated_importance_sampling_type`` selects (NeMo RL's names):
 
-- ``tis`` (truncated IS, Yao et al. 2025): ``min(w, cap)``;
+- ``tis`` (truncated IS, Yao et al. 2025): ``clamp(w, floor, cap)``, the floor 0 unless set;
 - ``icepop`` (MiniMax / Ling team 2025): tokens whose ``w`` is outside ``[low, high]`` get weight 0;
 - ``seq-mask-tis``: sequences whose geometric-mean ratio ``exp(mean_t log w)`` is outside ``[low, high]``
   get weight 0; kept sequences keep their untruncated token weights.
@@ -56,9 +56,11 @@ def sequence_importance_weights(
     return _finite(torch.exp(log_ratio)).detach()
 
 
-def truncate_weights(weights: torch.Tensor, cap: float) -> ImportanceWeights:
-    """TIS: ``min(w, cap)``; ``out_of_band`` marks the weights above the cap."""
-    return ImportanceWeights(weights.clamp(max=cap), (weights > cap).to(weights.dtype))
+def truncate_weights(weights: torch.Tensor, cap: float, floor: float = 0.0) -> ImportanceWeights:
+    """TIS: ``clamp(w, floor, cap)`` (NeMo RL's lower bound defaults to 0, i.e. none); ``out_of_band``
+    marks the weights the clamp changed."""
+    changed = (weights > cap) | (weights < floor)
+    return ImportanceWeights(weights.clamp(min=floor, max=cap), changed.to(weights.dtype))
 
 
 def icepop_weights(weights: torch.Tensor, low: float, high: float) -> ImportanceWeights:
@@ -102,7 +104,7 @@ def importance_weights(
         sequence_level: One weight per sequence (``exp(sum_t (prev - gen))``) instead of per token.
         truncation: None (untruncated), ``tis``, ``icepop`` or ``seq-mask-tis``.
         ratio_max: The cap (``tis``) or the band's upper end.
-        ratio_min: The band's lower end (``icepop``, ``seq-mask-tis``).
+        ratio_min: The band's lower end (``icepop``, ``seq-mask-tis``) or the floor (``tis``; None = 0).
     """
     if sequence_level:
         weights = sequence_importance_weights(prev_logprobs, gen_logprobs, mask)
@@ -110,22 +112,27 @@ def importance_weights(
         weights = token_importance_weights(prev_logprobs, gen_logprobs)
     if truncation is None:
         return ImportanceWeights(weights, None)
-    if ratio_max is None or (truncation != "tis" and ratio_min is None):
+    if ratio_max is None:
         raise ValueError(
-            f"importance-sampling truncation {truncation!r} needs its bounds, got "
-            f"max={ratio_max}, min={ratio_min}"
+            f"importance-sampling truncation {truncation!r} needs its bounds: the upper one (ratio_max)"
         )
+    if ratio_min is not None and ratio_min > ratio_max:
+        raise ValueError(f"importance-sampling bounds need min <= max, got min={ratio_min} > max={ratio_max}")
     if truncation == "tis":
-        return truncate_weights(weights, ratio_max)
+        return truncate_weights(weights, ratio_max, 0.0 if ratio_min is None else ratio_min)
+    if ratio_min is None:
+        raise ValueError(
+            f"importance-sampling truncation {truncation!r} needs its bounds: the lower one (ratio_min)"
+        )
     if truncation == "icepop":
-        return icepop_weights(weights, ratio_min, ratio_max)  # type: ignore[arg-type]
+        return icepop_weights(weights, ratio_min, ratio_max)
     if truncation == "seq-mask-tis":
         if sequence_level:
             raise ValueError(
                 "seq-mask-tis masks sequences of token-level weights; it cannot combine "
                 "with sequence-level importance ratios"
             )
-        return sequence_mask_weights(weights, prev_logprobs, gen_logprobs, mask, ratio_min, ratio_max)  # type: ignore[arg-type]
+        return sequence_mask_weights(weights, prev_logprobs, gen_logprobs, mask, ratio_min, ratio_max)
     raise ValueError(
         f"unknown importance-sampling truncation {truncation!r}; choose one of {TRUNCATION_TYPES}"
     )

@@ -1,4 +1,4 @@
-"""Loss maths: masked reductions, the k3 KL estimator, and the clipped policy-gradient loss.
+"""Loss maths: masked reductions, the KL estimators (k1, k2, k3), and the clipped policy-gradient loss.
 
 All tensors are ``[B, T]`` per-token values aligned with ``mask`` (1.0 on response tokens, 0.0 elsewhere)
 unless stated. Following NeMo RL, for token ``t`` of response ``i``::
@@ -6,8 +6,14 @@ unless stated. Following NeMo RL, for token ``t`` of response ``i``::
     r      = exp(logp - prev_logp)
     L_clip = max(-A * r, -A * clamp(r, 1 - eps_low, 1 + eps_high))      (optionally dual-clipped)
     x      = clamp(ref_logp - logp, -kl_in, kl_in)
-    kl     = clamp(exp(x) - 1 - x, -kl_out, kl_out)                      (k3 estimator of KL(pi || ref))
+    w      = exp(logp - stop_grad(logp))                                 (1 in value; see kl_gradient_weights)
+    kl     = clamp(w * (exp(x) - 1 - x), -kl_out, kl_out)                (k3 estimator of KL(pi || ref))
     L      = L_clip + beta * kl
+
+``w`` adds the score-function term a sampled estimator misses: without it the k3 term's expected gradient
+is that of KL(pi_ref || pi), the wrong direction (Tang & Munos 2025; NeMo RL PR #2506). ``k1`` and ``k2``
+(``loss_fn.reference_policy_kl_type``) are the other estimators; :func:`kl_gradient_weights` states what
+each one's expected gradient is.
 
 and the batch loss is either a token-level mean over every valid token of the *global* batch or a mean of
 per-sequence means. ``aggregate`` takes the global normalisers so that micro-batching with gradient
@@ -24,6 +30,7 @@ Variants (chosen by config at the edge, in :mod:`rlfleet.policy.loss_functions`)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -37,20 +44,83 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+KLType = Literal["k1", "k2", "k3"]
+KL_TYPES: tuple[KLType, ...] = ("k1", "k2", "k3")
+
+
+def kl_estimate(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    kl_type: KLType = "k3",
+    input_clamp: float | None = 20.0,
+    output_clamp: float | None = 10.0,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' logprobs; ``[B, T]``.
+
+    With ``x = clamp(ref_logp - logp, -input_clamp, input_clamp)`` (Schulman 2020): ``k1 = -x``,
+    ``k2 = x^2 / 2``, ``k3 = exp(x) - 1 - x``. ``weights`` (see :func:`kl_gradient_weights`) multiply the
+    estimate before the output clamp; where the input clamp is active the weight is detached, so a clamped
+    token passes no gradient through either factor (NeMo RL's ``calculate_kl``).
+    """
+    x = ref_logprobs - logprobs
+    if input_clamp is not None:
+        clamped = x.clamp(-input_clamp, input_clamp)
+        if weights is not None:
+            weights = torch.where(x == clamped, weights, weights.detach())
+        x = clamped
+    if kl_type == "k1":
+        kl = -x
+    elif kl_type == "k2":
+        kl = x.square() / 2
+    elif kl_type == "k3":
+        kl = torch.exp(x) - 1.0 - x
+    else:
+        raise ValueError(f"unknown KL estimator {kl_type!r}; choose one of {KL_TYPES}")
+    if weights is not None:
+        kl = weights * kl
+    if output_clamp is not None:
+        kl = kl.clamp(-output_clamp, output_clamp)
+    return kl
+
+
+def kl_gradient_weights(
+    logprobs: torch.Tensor, kl_type: KLType, sampler_logprobs: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Weights that make the KL term's expected gradient that of KL(pi || pi_ref); ``[B, T]``.
+
+    The tokens are sampled, so a per-token estimate ``k`` differentiated as a loss misses the score-function
+    term ``k * grad log pi`` (Tang & Munos 2025, arXiv 2506.09477). Expected gradients, tokens from pi:
+
+    - ``k3``: ``grad k3 = (1 - e^x) grad logp`` gives grad KL(pi_ref || pi), the reverse direction;
+      ``k3 * w`` with ``w = exp(logp - stop_grad(logp))`` (1 in value) adds the missing term and gives
+      grad KL(pi || pi_ref) (NeMo RL PR #2506).
+    - ``k1``: ``grad k1 = grad logp`` has expectation 0; ``k1 * w`` gives grad KL(pi || pi_ref).
+    - ``k2``: ``grad k2 = -x grad logp`` already is grad KL(pi || pi_ref); the extra term would add
+      ``E[x^2/2 grad logp]``, a bias, so its weight carries no gradient (a departure from NeMo RL, which
+      weights k2 like the others).
+
+    ``sampler_logprobs`` (``loss_fn.use_on_policy_kl_approximation``): the tokens came from another policy
+    (the generation engine, possibly an older one), so ``w = exp(logp - sampler_logp)`` is also the
+    importance weight that turns the sampler's expectation into pi's; for k1/k3 it carries gradient (NeMo
+    RL's semantics), for k2 it is detached (only the reweighting is needed). Non-finite weights become 0.
+    """
+    if sampler_logprobs is None:
+        weights = torch.exp(logprobs - logprobs.detach())
+    else:
+        weights = torch.exp(logprobs - sampler_logprobs)
+    weights = torch.nan_to_num(weights, nan=0.0, posinf=0.0, neginf=0.0)
+    return weights.detach() if kl_type == "k2" else weights
+
+
 def kl_k3(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
     input_clamp: float | None = 20.0,
     output_clamp: float | None = 10.0,
 ) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || pi_ref): ``exp(x) - 1 - x``, ``x = ref_logp - logp``; ``[B, T]``."""
-    x = ref_logprobs - logprobs
-    if input_clamp is not None:
-        x = x.clamp(-input_clamp, input_clamp)
-    kl = torch.exp(x) - 1.0 - x
-    if output_clamp is not None:
-        kl = kl.clamp(-output_clamp, output_clamp)
-    return kl
+    """Per-token k3 value ``exp(x) - 1 - x``, ``x = ref_logp - logp``, without gradient weights; [B, T]."""
+    return kl_estimate(logprobs, ref_logprobs, "k3", input_clamp, output_clamp)
 
 
 def clipped_pg_loss(

@@ -22,15 +22,16 @@ from rlfleet.policy.importance_sampling import (
     importance_weights,
 )
 from rlfleet.policy.loss import (
+    KL_TYPES,
+    KLType,
     Normalizer,
     aggregate,
     aggregate_max_length,
     clipped_pg_loss,
     gspo_loss,
-    kl_k3,
+    kl_estimate,
+    kl_gradient_weights,
 )
-
-KL_ESTIMATORS = {"k3": kl_k3}
 
 
 def _required(value: torch.Tensor | None, name: str) -> torch.Tensor:
@@ -41,7 +42,12 @@ def _required(value: torch.Tensor | None, name: str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ClippedPGLossFn:
-    """GRPO's loss: clipped policy gradient plus ``kl_penalty`` x k3 KL to the reference policy.
+    """GRPO's loss: clipped policy gradient plus ``kl_penalty`` x an estimate of KL(pi || pi_ref).
+
+    The KL estimator is ``kl_type`` (k1, k2, k3), weighted so that its expected gradient is that of
+    KL(pi || pi_ref) (:func:`~rlfleet.policy.loss.kl_gradient_weights`); with
+    ``use_on_policy_kl_approximation`` the weight is also the importance ratio ``pi / pi_gen`` against the
+    generation engine's logprobs, which the batch must then carry (NeMo RL's key of that name).
 
     ``prev_from_training_forward``: the batch is trained on by exactly one optimizer step, so the policy that
     produced it is the one being trained: the previous-policy logprobs are this forward's own, detached
@@ -68,7 +74,8 @@ class ClippedPGLossFn:
     kl_output_clamp: float | None
     token_level: bool
     importance_sampling_correction: bool
-    kl_type: str = "k3"
+    kl_type: KLType = "k3"
+    use_on_policy_kl_approximation: bool = False
     prev_from_training_forward: bool = False
     truncation: TruncationType | None = None
     truncation_ratio_max: float | None = None
@@ -77,12 +84,21 @@ class ClippedPGLossFn:
     max_length: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kl_type not in KL_ESTIMATORS:
-            raise ValueError(f"unknown KL estimator {self.kl_type!r}; choose one of {sorted(KL_ESTIMATORS)}")
+        if self.kl_type not in KL_TYPES:
+            raise ValueError(f"unknown KL estimator {self.kl_type!r}; choose one of {KL_TYPES}")
         if self.truncation is not None and not self.importance_sampling_correction:
             raise ValueError(
                 f"truncation {self.truncation!r} bounds the importance-sampling correction, which is off"
             )
+        bounds = (self.truncation_ratio_max, self.truncation_ratio_min)
+        if self.truncation is None and any(b is not None for b in bounds):
+            raise ValueError(
+                f"truncation bounds (max={bounds[0]}, min={bounds[1]}) are set without a truncation type; "
+                f"choose one of {TRUNCATION_TYPES}"
+            )
+        low, high = self.truncation_ratio_min, self.truncation_ratio_max
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"importance-sampling bounds need min <= max, got min={low} > max={high}")
         if self.truncation is not None and self.truncation not in TRUNCATION_TYPES:
             raise ValueError(f"unknown truncation {self.truncation!r}; choose one of {TRUNCATION_TYPES}")
         if (self.sequence_level_ratios or self.max_length is not None) and self.token_level:
@@ -110,8 +126,7 @@ class ClippedPGLossFn:
             metrics = _importance_metrics(is_weights, mask, norm)
         kl = torch.zeros_like(logprobs)
         if self.kl_penalty > 0:
-            ref = _required(mb.ref_logprobs, "ref_logprobs")
-            kl = KL_ESTIMATORS[self.kl_type](logprobs, ref, self.kl_input_clamp, self.kl_output_clamp)
+            kl = self._kl(logprobs, mb)
             per_token = per_token + self.kl_penalty * kl
         loss = self._aggregate(per_token, mask, norm)
         with torch.no_grad():
@@ -126,6 +141,16 @@ class ClippedPGLossFn:
                 error = (prev - mb.generation_logprobs).abs()
                 metrics["gen_logprob_error"] = float(aggregate(error, mask, norm, True))
         return loss, metrics
+
+    def _kl(self, logprobs: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
+        """Per-token weighted KL estimate ``[B, T]``: 1-valued weights (or ``pi / pi_gen``) whose gradient
+        supplies the score-function term."""
+        ref = _required(mb.ref_logprobs, "ref_logprobs")
+        sampler = None
+        if self.use_on_policy_kl_approximation:
+            sampler = _required(mb.generation_logprobs, "generation_logprobs")
+        weights = kl_gradient_weights(logprobs, self.kl_type, sampler)
+        return kl_estimate(logprobs, ref, self.kl_type, self.kl_input_clamp, self.kl_output_clamp, weights)
 
     def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, norm: Normalizer) -> torch.Tensor:
         if self.max_length is not None:
