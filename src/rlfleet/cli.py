@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_deploy_commands(sub)
     p = sub.add_parser("demo", help="the embedded default: tiny model, SFT warm start, GRPO (CPU, offline)")
     p.add_argument("--out", default="runs/demo", help="where models, checkpoints and logs go")
-    p.add_argument("overrides", nargs="*", help="overrides for the GRPO stage")
+    p.add_argument("overrides", nargs="*", help="overrides for the GRPO stage (sft.* ones: the SFT stage)")
     p.set_defaults(func=cmd_demo)
     return parser
 

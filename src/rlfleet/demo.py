@@ -12,7 +12,13 @@ from pathlib import Path
 from rlfleet.algorithms.grpo import grpo_train
 from rlfleet.algorithms.sft import sft_train
 from rlfleet.checkpoint import CheckpointManager, export_hf
-from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
+from rlfleet.config import (
+    MasterConfig,
+    load_recipe,
+    parse_override,
+    quote_override_value,
+    resolve_recipe_path,
+)
 from rlfleet.data import load_prompt_template, load_task, render_prompt, resolve_system_prompt
 from rlfleet.logging import read_metrics
 from rlfleet.models.tiny import TinyModelSpec, create_tiny_model, train_tokenizer
@@ -52,9 +58,19 @@ def val_accuracy_curve(log_dir: Path) -> list[tuple[int, float]]:
     ]
 
 
+def sft_section(overrides: Sequence[str]) -> list[str]:
+    """The overrides of the ``sft`` section, which only the SFT stage reads (the GRPO recipe carries it)."""
+    return [o for o in overrides if parse_override(o).key[0] == "sft"]
+
+
 def run_demo(out: Path, overrides: Sequence[str] = (), sft_overrides: Sequence[str] = ()) -> dict[str, float]:
-    """Runs the three stages under ``out``; returns the before/after validation accuracies."""
+    """Runs the three stages under ``out``; returns the before/after validation accuracies.
+
+    ``overrides`` go to the GRPO stage; those of the ``sft`` section (``sft.max_num_steps=...``) go to the
+    SFT stage as well, after ``sft_overrides``.
+    """
     out = out.resolve()
+    sft_overrides = [*sft_overrides, *sft_section(overrides)]
     sft_cfg = load_recipe(
         resolve_recipe_path(SFT_RECIPE), [*stage_overrides(out, "sft", out), *sft_overrides]
     )

@@ -19,3 +19,10 @@ def constant_reward(prompt: str, response: str, gold: str) -> float:
     """0.5 for everything: no group ever carries a signal."""
     del prompt, response, gold
     return 0.5
+
+
+def even_length_reward(prompt: str, response: str, gold: str) -> float:
+    """1.0 for a response of an even number of characters, else 0.0: about half the samples of any model
+    are correct, so pass@1 and pass@k of a group are neither 0 nor 1."""
+    del prompt, gold
+    return 1.0 if len(response) % 2 == 0 else 0.0

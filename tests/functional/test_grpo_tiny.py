@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from rlfleet.algorithms.grpo import GRPO
-from rlfleet.algorithms.run import MACHINE_METRICS
 from rlfleet.distributed.parallelize import is_checkpointed
 from rlfleet.logging import read_metrics
 from rlfleet.policy.batch import collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
-from tests.conftest import kill_in_step, small_grpo_config
+from tests.conftest import comparable_metrics, kill_in_step, small_grpo_config
 
 DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"
 
@@ -38,10 +37,6 @@ def test_two_grpo_steps_change_every_trainable_parameter(tiny_model_dir: Path, t
     assert (tmp_path / "ckpt" / "step_2" / "policy" / "weights" / "__0_0.distcp").is_file()
 
 
-def _comparable(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(MACHINE_METRICS)} for r in records]
-
-
 def test_killed_run_resumes_to_identical_weights_and_metrics(tiny_model_dir: Path, tmp_path: Path) -> None:
     extra = ("grpo.max_num_steps=4", DENSE)
     full = GRPO(small_grpo_config(tiny_model_dir, tmp_path / "full", *extra))
@@ -56,14 +51,14 @@ def test_killed_run_resumes_to_identical_weights_and_metrics(tiny_model_dir: Pat
 
     for name, p in _params(full).items():
         torch.testing.assert_close(_params(resumed)[name], p, rtol=0, atol=0, msg=name)
-    a = _comparable(read_metrics(tmp_path / "full" / "logs"))
-    b = _comparable(read_metrics(tmp_path / "resumed" / "logs"))
+    a = comparable_metrics(read_metrics(tmp_path / "full" / "logs"))
+    b = comparable_metrics(read_metrics(tmp_path / "resumed" / "logs"))
     assert a == b
 
     # A finished run started again does nothing and keeps its results.
     again = GRPO(small_grpo_config(tiny_model_dir, tmp_path / "resumed", *extra))
     again.train()
-    assert _comparable(read_metrics(tmp_path / "resumed" / "logs")) == a
+    assert comparable_metrics(read_metrics(tmp_path / "resumed" / "logs")) == a
 
 
 def test_partial_tmp_checkpoint_is_ignored(tiny_model_dir: Path, tmp_path: Path, caplog) -> None:
@@ -166,7 +161,7 @@ def test_kill_between_checkpoint_and_log_line_loses_no_metrics(tiny_model_dir: P
     assert 2 not in [r["step"] for r in read_metrics(tmp_path / "resumed" / "logs")]
 
     GRPO(small_grpo_config(tiny_model_dir, tmp_path / "resumed", *extra)).train()
-    assert _comparable(read_metrics(tmp_path / "resumed" / "logs")) == _comparable(
+    assert comparable_metrics(read_metrics(tmp_path / "resumed" / "logs")) == comparable_metrics(
         read_metrics(tmp_path / "full" / "logs")
     )
 

@@ -1,113 +1,29 @@
 """`rlfleet submit/status/logs/stop` against a real local Ray head with token authentication (Ray 2.60).
 
-The head is started by this module (`ray start --head --block` in its own session, loopback only, its own
-temp dir and HOME, a random token) and stopped by its own process group, so no other Ray on the machine is
-touched. Every wait has a time bound.
+The head is the module's `ray_head` (tests/conftest.py): `ray start --head --block` in its own session,
+loopback only, its own temp dir and HOME, a random token, stopped by its own process group, so no other
+Ray on the machine is touched. Every wait has a time bound.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import secrets
 import shlex
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from rlfleet.deploy import jobs
 from rlfleet.deploy.cli import add_deploy_commands
+from tests.conftest import RayHead
 
 pytestmark = [pytest.mark.timeout(240)]
-RAY = Path(sys.executable).with_name("ray")
 RECIPE = "grpo-tiny-arithmetic-cpu"
-
-
-@dataclass(frozen=True)
-class RayHead:
-    url: str
-    token: str
-
-    @property
-    def client_env(self) -> dict[str, str]:
-        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_for_dashboard(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    import requests
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"ray start exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if requests.get(f"{url}/api/version", timeout=2).status_code in (200, 401):
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"Ray dashboard not up after {timeout_s} s:\n{log.read_text()[-3000:]}")
-
-
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM `ray start --block` (it stops its children), then kill what is left of its own group."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        deadline = time.monotonic() + 5
-        try:
-            os.killpg(proc.pid, sig)  # start_new_session: the group id is the leader's pid
-            while time.monotonic() < deadline:
-                os.killpg(proc.pid, 0)  # raises once no process of the group is left
-                time.sleep(0.2)
-        except ProcessLookupError:
-            return
-
-
-@pytest.fixture(scope="module")
-def ray_head() -> Iterator[RayHead]:
-    if not RAY.is_file():
-        pytest.skip("ray is not installed in this environment (pip install 'rlfleet[ray]')")
-    tmp = Path(tempfile.mkdtemp(prefix="rlfray-", dir="/tmp"))  # short: Ray's unix socket paths
-    (tmp / "home").mkdir()
-    token = secrets.token_hex(32)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env |= {"HOME": str(tmp / "home"), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
-    env |= {"RAY_USAGE_STATS_ENABLED": "0", "PATH": f"{RAY.parent}{os.pathsep}{env.get('PATH', '')}"}
-    port, dashboard_port = _free_port(), _free_port()
-    command = [str(RAY), "start", "--head", "--block", "--node-ip-address", "127.0.0.1"]
-    command += ["--port", str(port), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port)]
-    command += ["--num-cpus", "1", "--temp-dir", str(tmp / "ray"), "--include-dashboard", "true"]
-    log = tmp / "ray-start.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{dashboard_port}"
-    try:
-        _wait_for_dashboard(url, proc, log, timeout_s=90)
-        yield RayHead(url, token)
-    finally:
-        _stop_group(proc)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _python(code: str) -> str:

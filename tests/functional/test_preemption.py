@@ -3,23 +3,19 @@ again, and end with the weights and metrics of an uninterrupted run (what a Kube
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from rlfleet.algorithms.run import MACHINE_METRICS
 from rlfleet.checkpoint import load_model_state_dict
 from rlfleet.logging import read_metrics
-from tests.conftest import small_grpo_overrides
+from tests.conftest import comparable_metrics, run_cli_process, signal_when, small_grpo_overrides
 
 DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"
-ROOT = Path(__file__).resolve().parents[2]
 # 8 training prompts at 4 per step: 2 steps per epoch; 2 epochs = 4 steps; checkpoints at 2 and 4.
 EXTRA = [
     "data.arithmetic.num_train=8",
@@ -37,32 +33,16 @@ def command(model: Path, run: Path) -> list[str]:
 
 
 def run_to_end(model: Path, run: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(command(model, run), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return run_cli_process(command(model, run))
 
 
 def run_and_kill(model: Path, run: Path, after: Path, delay: float) -> None:
     """Starts the run, waits until ``after`` exists (+ ``delay`` s), then SIGKILLs it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        command(model, run), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    deadline = time.monotonic() + 300
-    try:
-        while not after.exists():
-            assert proc.poll() is None, "the run ended before it could be killed"
-            assert time.monotonic() < deadline, f"{after} never appeared"
-            time.sleep(0.05)
-        time.sleep(delay)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+    signal_when(command(model, run), after.exists, signal.SIGKILL, delay=delay)
 
 
 def comparable(run: Path) -> list[dict]:
-    return [
-        {k: v for k, v in r.items() if not k.startswith(MACHINE_METRICS)} for r in read_metrics(run / "logs")
-    ]
+    return comparable_metrics(read_metrics(run / "logs"))
 
 
 @pytest.fixture(scope="module")

@@ -97,8 +97,9 @@ def test_layout_the_cluster_cannot_hold_fails_fast_and_frees_everything(
     from rlfleet.distributed.cluster import ClusterCapacityError
 
     total = ray.cluster_resources()["CPU"]
-    start = time.monotonic()
-    with pytest.raises(ClusterCapacityError, match=r"asked for 1 node\(s\) x 8 bundle\(s\)"):
+    # the placement timeout (3 s), not the call timeout (300 s), ends the wait
+    expected = r"not ready after 3s: asked for 1 node\(s\) x 8 bundle\(s\)"
+    with pytest.raises(ClusterCapacityError, match=expected):
         GRPO(
             small_grpo_config(
                 tiny_model_dir,
@@ -109,8 +110,7 @@ def test_layout_the_cluster_cannot_hold_fails_fast_and_frees_everything(
                 "cluster.placement_timeout_s=3",
             )
         )
-    assert time.monotonic() - start < 30
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a hang guard: removing placement groups is asynchronous
     while ray.available_resources().get("CPU") != total and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU") == total  # nothing reserved is left behind

@@ -126,13 +126,10 @@ def test_a_stuck_response_times_out_alone_and_the_pool_recovers(ray_cluster: Non
     )
     with pool:
         pool.wait_ready()
-        start = time.monotonic()
         batch = pool.score(items)
-        elapsed = time.monotonic() - start
         assert batch.rewards == expected
         assert (batch.num_timeouts, batch.num_errors) == (1, 0)
-        # its chunk (3.5 s), then alone: the first run and 1 retry (1.5 s each), plus actor restarts
-        assert 6.0 < elapsed < 30.0
+        # its chunk missed its deadline, then alone: the first run and 1 retry; each a restart
         assert pool.num_restarts == 3
         assert pool.score(GSM8K_ITEMS).rewards == EXPECTED
 
@@ -150,10 +147,9 @@ def test_slow_and_failing_responses_count_without_restarts(
     ]
     with RayVerifierPool(faulty_math_reward, num_workers=2, timeout_s=1.0, chunk_size=1) as pool:
         pool.wait_ready()
-        start = time.monotonic()
         batch = pool.score(items)
-        assert time.monotonic() - start < 5.0  # the soft budget (0.8 s) interrupted the sleep
         assert batch.rewards == [0.0, *EXPECTED[:3], 0.0, 0.0, 1.0]
+        # no restart: the soft budget (0.8 s) interrupted the sleep; no actor was killed at its deadline
         assert (batch.num_timeouts, batch.num_errors, pool.num_restarts) == (1, 2, 0)
     logged = sorted(record.getMessage() for record in caplog.records)
     assert len(logged) == 2, logged

@@ -82,7 +82,7 @@ def _wandb_records(path: Path) -> list[Any]:
     return records
 
 
-def _finished_wandb_run(run_file: Path, timeout_s: float = 20.0) -> list[Any]:
+def _finished_wandb_run(run_file: Path, timeout_s: float = 120.0) -> list[Any]:
     """The records of an offline run, once its exit record is on disk.
 
     ``run.finish()`` returns before wandb-core has flushed the offline ``.wandb`` file (it is written by

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -238,9 +239,10 @@ def test_bad_response_never_raises_with_a_good_gold():
 
 
 def test_huge_response_is_bounded():
-    start = time.perf_counter()
     assert math_reward("p", "x" * 2_000_000 + " #### 5", "5") == 1.0
-    assert time.perf_counter() - start < 0.5
+    # only the last 10,000 characters are read: an answer before them is not seen
+    assert math_reward("p", "#### 5\n" + "x" * 10_000, "5") == 0.0
+    assert math_reward("p", "#### 5\n" + "x" * 9_000, "5") == 1.0
 
 
 def test_math_reward_works_off_the_main_thread():
@@ -273,19 +275,33 @@ def test_hostile_input_in_process_is_bounded(name):
     # In process the bound is a SIGALRM, which cannot interrupt C code (a regex) until it returns, and a
     # host process's own timers and handlers can displace it; so it is checked in a fresh interpreter.
     # The hard bound in training is VerifierPool's kill-and-replace, tested below.
-    response, gold, _ = HOSTILE[name]
-    code = (
-        "import sys, time; from rlfleet.rewards import math_reward; "
-        "r, g = sys.stdin.read().split('\\0'); t = time.perf_counter(); "
-        "v = math_reward('p', r, g, timeout_s=0.5); print(v, time.perf_counter() - t)"
+    # The budget is what bounds it: a check that reaches sympy/ANTLR is interrupted by it (the same check
+    # under the same budget raises VerificationTimeout), the others are rejected before they need it.
+    response, gold, times_out = HOSTILE[name]
+    code = textwrap.dedent(
+        """
+        import sys
+        from rlfleet.rewards import math_reward
+        from rlfleet.rewards.math import answers_match
+        from rlfleet.rewards.verify import VerificationTimeout, time_budget
+
+        r, g = sys.stdin.read().split("\\0")
+        value, budget = math_reward("p", r, g, timeout_s=0.5), "kept"
+        try:
+            with time_budget(0.5):
+                answers_match(r, g)
+        except VerificationTimeout:
+            budget = "expired"
+        print(value, budget)
+        """
     )
-    out = subprocess.run(
+    out = subprocess.run(  # the timeout is a hang guard (a check stuck in C code)
         [sys.executable, "-c", code], input=f"{response}\0{gold}", capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    value, seconds = out.stdout.split()
+    value, budget = out.stdout.split()
     assert float(value) == 0.0
-    assert float(seconds) < 3.0
+    assert budget == ("expired" if times_out else "kept")
 
 
 def test_time_budget_nests_inside_a_foreign_timer_and_restores_it():
@@ -346,34 +362,33 @@ def test_pool_matches_in_process(math_pool):
     assert math_pool.score([]) == RewardBatch([], 0, 0)
 
 
+@pytest.mark.timeout(120)  # a hang guard
 @pytest.mark.parametrize("name", HOSTILE)
 def test_hostile_input_in_pool_is_bounded_and_counted(math_pool, name):
     response, gold, times_out = HOSTILE[name]
     math_pool.wait_ready()
     workers = math_pool.worker_pids
-    start = time.perf_counter()
     batch = math_pool.score([("q", response, gold), ("q", "#### 5", "5")])
-    assert time.perf_counter() - start < 3 * TIMEOUT_S
     assert batch == RewardBatch([0.0, 1.0], num_timeouts=int(times_out), num_errors=0)
     assert math_pool.worker_pids == workers  # the in-worker budget stopped it: no kill, no restart
 
 
+@pytest.mark.timeout(120)  # a hang guard
 def test_hostile_batch_in_pool(math_pool):
     items = [("q", response, gold) for response, gold, _ in HOSTILE.values()] + _normal_items()
-    start = time.perf_counter()
     batch = math_pool.score(items)
-    assert time.perf_counter() - start < 3 * 2 * TIMEOUT_S  # 4 timeouts on 2 workers
+    # each hostile item spent its own budget: exactly those timed out, and every normal item scored
     assert batch.rewards == [0.0] * len(HOSTILE) + [math_reward(*item) for item in _normal_items()]
     assert batch.num_timeouts == sum(times_out for _, _, times_out in HOSTILE.values())
 
 
+@pytest.mark.timeout(120)  # a hang guard
 def test_stuck_worker_is_killed_and_replaced():
     with VerifierPool(stall_reward, num_workers=2, timeout_s=TIMEOUT_S) as pool:
         pool.wait_ready()
         before = pool.worker_pids
-        start = time.perf_counter()
         batch = pool.score([("q", "ok", "g"), ("q", "stall", "g"), *[("q", "ok", "g")] * 20])
-        assert time.perf_counter() - start < 3 * TIMEOUT_S
+        # the stall (60 s, SIGALRM blocked) counted as a timeout and its worker replaced: it was killed
         assert batch == RewardBatch([1.0, 0.0] + [1.0] * 20, num_timeouts=1, num_errors=0)
         assert len(set(pool.worker_pids) - set(before)) == 1
         assert pool.score([("q", "ok", "g")] * 4).rewards == [1.0] * 4

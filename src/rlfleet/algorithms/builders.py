@@ -7,6 +7,7 @@ wire the results together (see :mod:`rlfleet.algorithms.run`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, replace
 
@@ -222,9 +223,15 @@ def load_prompts(
     system_prompt = resolve_system_prompt(cfg.data)
     template = load_prompt_template(cfg.data)
     budget = prompt_budget(cfg)
-    kwargs = {"system_prompt": system_prompt, "max_prompt_tokens": budget, "prompt_template": template}
-    train, dropped_train = build_prompts(tokenizer, train_ex, **kwargs)
-    val, dropped_val = build_prompts(tokenizer, val_ex[:max_val_samples], **kwargs)
+    render = functools.partial(
+        build_prompts,
+        tokenizer,
+        system_prompt=system_prompt,
+        max_prompt_tokens=budget,
+        prompt_template=template,
+    )
+    train, dropped_train = render(train_ex)
+    val, dropped_val = render(val_ex[:max_val_samples])
     if dropped_train or dropped_val:
         log.warning(
             "dropped %d train and %d val prompts longer than %d tokens", dropped_train, dropped_val, budget

@@ -191,7 +191,7 @@ class GRPO:
             with timer("refit"):
                 self.backend.refit()
         timing = {**{f"timing/{k}": v for k, v in collected.seconds.items()}, **timer.metrics()}
-        if updated:
+        if updated and collected.trained_batch is not None:  # _train_on sets it when it updates
             metrics.update(self._throughput(collected.trained_batch, timing, collected.prev_from_forward))
         return {**metrics, **timing}
 
@@ -200,7 +200,8 @@ class GRPO:
         first after a resume: the same prompts and seeds the prefetch would have used, current weights)."""
         ctx = self.ctx
         if self.prefetcher is not None and self.prefetcher.has_batch:
-            collected, collected.age = self.prefetcher.take(ctx.step, trainer_version=ctx.step)
+            collected, age = self.prefetcher.take(ctx.step, trainer_version=ctx.step)
+            collected.age = age
             ctx.loader_state_before_prefetch = None
             return collected
         return self._collect(ctx.step)

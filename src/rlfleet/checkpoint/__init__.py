@@ -8,13 +8,9 @@ from rlfleet.checkpoint.dcp_io import (
     save_policy,
 )
 from rlfleet.checkpoint.export import build_model_from_name, export_hf
-from rlfleet.checkpoint.manager import (
-    CheckpointManager,
-    is_complete_checkpoint,
-    normalize_metric_name,
-    verify_checkpoint,
-)
+from rlfleet.checkpoint.manager import CheckpointManager, is_complete_checkpoint, verify_checkpoint
 from rlfleet.checkpoint.manifest import MANIFEST_FILE, CheckpointError, verify_manifest, write_manifest
+from rlfleet.config.metric_names import normalize_metric_name
 
 __all__ = [
     "MANIFEST_FILE",

@@ -56,7 +56,8 @@ def build_model_from_name(
         ) from err
     if gguf_file is not None:
         drop_gguf_config(config)
-    return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return model
 
 
 def _require_complete(checkpoint_path: Path) -> None:
@@ -95,7 +96,8 @@ def _dominant_float_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype | 
 def _load_weights(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], model_name: str) -> None:
     dtype = _dominant_float_dtype(state_dict)
     if dtype is not None:
-        model.to(dtype)
+        # transformers' @wraps on PreTrainedModel.to hides the bound self from mypy
+        model.to(dtype)  # type: ignore[arg-type]
     result = model.load_state_dict(state_dict, strict=False)
     # A tied weight (lm_head.weight sharing embed_tokens.weight) may be saved under one name only.
     current = model.state_dict()
@@ -205,7 +207,8 @@ def export_hf(checkpoint_path: Path, out_dir: Path, *, adapter_only: bool = Fals
     model = build_model_from_name(model_name, gguf_file=gguf_file)
     _load_weights(model, state_dict, model_name)
     if precision is not None:
-        model.to(DTYPES[precision])
+        # transformers' @wraps on PreTrainedModel.to hides the bound self from mypy
+        model.to(DTYPES[precision])  # type: ignore[arg-type]
     out_dir.mkdir(parents=True, exist_ok=True)
     # transformers 5 always writes safetensors (the safe_serialization flag was removed);
     # tied weights (e.g. lm_head = embed_tokens) are stored once and re-tied on load.

@@ -396,7 +396,8 @@ class CheckpointManager:
         if not file.is_file():
             raise FileNotFoundError(f"{file} does not exist; {path} is not a complete checkpoint.")
         with file.open(encoding="utf-8") as handle:
-            return json.load(handle)
+            info: dict[str, Any] = json.load(handle)
+        return info
 
     @staticmethod
     def load_config_yaml(path: Path) -> str:
@@ -409,7 +410,8 @@ class CheckpointManager:
     @staticmethod
     def load_dataloader_state(path: Path) -> dict[str, Any]:
         """Read ``train_dataloader.pt`` of a checkpoint step directory."""
-        return torch_load_safe(Path(path) / DATALOADER_FILE)
+        state: dict[str, Any] = torch_load_safe(Path(path) / DATALOADER_FILE)
+        return state
 
     @staticmethod
     def restore_rng(path: Path) -> None:

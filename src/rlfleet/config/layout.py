@@ -88,6 +88,7 @@ def compute_layout(cfg: MasterConfig) -> tuple[ResourceLayout, list[str]]:
     """The layout and every problem with it (an empty list when it can run)."""
     c, gen = cfg.cluster, cfg.policy.generation
     colocated = gen.colocated.enabled
+    shape: tuple[int, int, int, int, list[str]]
     if colocated:
         shape = (c.num_nodes, c.gpus_per_node, c.num_nodes, c.gpus_per_node, [])
     else:

@@ -78,13 +78,13 @@ def load_task_with_report(data: DataConfig) -> TaskSplits:
         )
         return TaskSplits(train=train, val=val, report={"train/bad_rows": 0, "val/bad_rows": 0})
     train_source, val_source = resolve_sources(data)
-    train = load_split(train_source, on_bad_row=data.on_bad_row)
-    val = load_split(val_source, on_bad_row=data.on_bad_row)
+    train_rows = load_split(train_source, on_bad_row=data.on_bad_row)
+    val_rows = load_split(val_source, on_bad_row=data.on_bad_row)
     return TaskSplits(
-        train=train.examples,
-        val=val.examples,
-        report={"train/bad_rows": train.bad_rows, "val/bad_rows": val.bad_rows},
-        bad_row_samples=train.bad_row_samples + val.bad_row_samples,
+        train=train_rows.examples,
+        val=val_rows.examples,
+        report={"train/bad_rows": train_rows.bad_rows, "val/bad_rows": val_rows.bad_rows},
+        bad_row_samples=train_rows.bad_row_samples + val_rows.bad_row_samples,
     )
 
 

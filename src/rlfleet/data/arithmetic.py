@@ -100,15 +100,15 @@ def arithmetic_splits(
     operations: Sequence[str],
 ) -> tuple[list[Example], list[Example]]:
     """Train and validation splits with no validation question appearing in train."""
-    kwargs = {"min_ops": min_ops, "max_ops": max_ops, "max_operand": max_operand, "operations": operations}
-    val = generate_arithmetic(num_val, seed=seed + 1, **kwargs)
+    shape = {"min_ops": min_ops, "max_ops": max_ops, "max_operand": max_operand}
+    val = generate_arithmetic(num_val, seed=seed + 1, **shape, operations=operations)
     val_questions = {ex.question for ex in val}
     train: list[Example] = []
     rng = random.Random(seed)
     for _ in range(20 * num_train + 1000):
         if len(train) == num_train:
             return train, val
-        ex = make_problem(rng, **kwargs)
+        ex = make_problem(rng, **shape, operations=operations)
         if ex.question not in val_questions:
             train.append(ex)
     raise ValueError(

@@ -103,7 +103,9 @@ def render_prompt(
         )
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": apply_prompt_template(prompt_template, question)})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert isinstance(text, str)  # tokenize=False: the rendered text
+    return text
 
 
 def build_prompts(

@@ -24,6 +24,12 @@ _LOCAL_PREFIXES = ("./", "../", "/", "~")
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 
 
+def _skip_whitespace(text: str, pos: int = 0) -> int:
+    """The position of the first character at or after ``pos`` that is not JSON whitespace."""
+    match = _WHITESPACE.match(text, pos)
+    return match.end() if match else pos
+
+
 @dataclass(frozen=True)
 class RawRow:
     """One row as read from its source.
@@ -103,7 +109,7 @@ def _read_json_lines(label: str, text: str) -> Iterator[RawRow]:
 def _read_json(label: str) -> Iterator[RawRow]:
     """A ``.json`` file: a JSON array of objects when it starts with ``[``, else JSON lines."""
     text = _read_text(label)
-    start = _WHITESPACE.match(text).end()
+    start = _skip_whitespace(text)
     if text.startswith("[", start):
         return _read_json_array(label, text, start + 1)
     return _read_json_lines(label, text)
@@ -122,7 +128,7 @@ def _read_json_array(label: str, text: str, pos: int) -> Iterator[RawRow]:
     """Elements of the JSON array opened just before ``pos``, tagged with the line where each starts."""
     decoder = json.JSONDecoder()
     line, counted = 1, 0
-    pos = _WHITESPACE.match(text, pos).end()
+    pos = _skip_whitespace(text, pos)
     closed = text.startswith("]", pos)
     while not closed:
         line += text.count("\n", counted, pos)
@@ -132,14 +138,14 @@ def _read_json_array(label: str, text: str, pos: int) -> Iterator[RawRow]:
         except json.JSONDecodeError as exc:
             raise _array_syntax_error(label, text, exc.pos, exc.msg) from exc
         yield RawRow(f"{label}:{line}", value)
-        pos = _WHITESPACE.match(text, pos).end()
+        pos = _skip_whitespace(text, pos)
         if text.startswith(",", pos):
-            pos = _WHITESPACE.match(text, pos + 1).end()
+            pos = _skip_whitespace(text, pos + 1)
         elif text.startswith("]", pos):
             closed = True
         else:
             raise _array_syntax_error(label, text, pos, "expected ',' or ']' after an array element")
-    end = _WHITESPACE.match(text, pos + 1).end()
+    end = _skip_whitespace(text, pos + 1)
     if end != len(text):
         raise _array_syntax_error(label, text, end, "extra data after the closing ']'")
 

@@ -30,8 +30,37 @@ class ClusterConnectionError(ConnectionError, UserError):
     """The Ray cluster at the given address could not be reached."""
 
 
+def _answers_grpc(address: str, timeout_s: float) -> bool:
+    """Whether ``host:port`` completes a gRPC (HTTP/2) handshake within ``timeout_s``, as a Ray GCS does.
+
+    Ray's own connect retries a port that accepts connections but is no GCS (the dashboard's, say) for
+    minutes; this answers in ``timeout_s``. True when it cannot tell (no grpcio, or a TLS cluster).
+    """
+    if os.environ.get("RAY_USE_TLS", "0").strip().lower() in ("1", "true"):
+        return True  # an insecure probe cannot complete a TLS handshake
+    try:
+        import grpc
+    except ImportError:
+        return True
+    channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])  # as the socket above
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        channel.close()
+
+
 def _check_reachable(address: str, timeout_s: float) -> None:
-    """Fails fast when ``host:port`` does not accept connections (``auto`` and ``ray://`` pass through)."""
+    """Fails fast when ``address`` is no Ray cluster that answers: a dashboard URL, a ``host:port`` that
+    refuses connections, or one that accepts them but is no GCS (``auto`` and ``ray://`` pass through)."""
+    if address.startswith(("http://", "https://")):
+        raise ClusterConnectionError(
+            f"the Ray address {address!r} ({RAY_ADDRESS_ENV}) is a dashboard URL, which `rlfleet submit` "
+            f"takes; training connects to the cluster's GCS: set {RAY_ADDRESS_ENV}=<head host>:<GCS port> "
+            "(the head's `ray start --port`, 6379 by default), or unset it to start a local cluster"
+        )
     if address == "auto" or "://" in address or ":" not in address:
         return
     host, _, port = address.rpartition(":")
@@ -45,6 +74,13 @@ def _check_reachable(address: str, timeout_s: float) -> None:
             f"cannot reach the Ray cluster at {address!r} within {timeout_s:.0f}s ({exc}); "
             f"check that the head node is up, or unset {RAY_ADDRESS_ENV} to start a local cluster"
         ) from exc
+    if not _answers_grpc(address, timeout_s):
+        raise ClusterConnectionError(
+            f"{address!r} ({RAY_ADDRESS_ENV}) accepts connections but did not answer as a Ray cluster's GCS "
+            f"within {timeout_s:.0f}s; point {RAY_ADDRESS_ENV} at the head's GCS port (`ray start --port`, "
+            f"6379 by default), not its dashboard (8265) or another service, or unset {RAY_ADDRESS_ENV} to "
+            "start a local cluster"
+        )
 
 
 def connect_or_start(address: str | None, num_cpus: int | None, timeout_s: float) -> bool:

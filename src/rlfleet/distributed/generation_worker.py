@@ -47,7 +47,9 @@ class GenerationWorker:
         self.model: PreTrainedModel | None = None
         self.backend: HFGenerationBackend | VLLMGenerationBackend
         if vllm is None:
-            self.model = source.load_model().to(self.device)
+            self.model = source.load_model()
+            # transformers' @wraps on PreTrainedModel.to hides the bound self from mypy
+            self.model.to(self.device)  # type: ignore[arg-type]
             self.model.eval()
             self.model.requires_grad_(False)
             self.backend = HFGenerationBackend(self.model, tokenizer, batch_size)

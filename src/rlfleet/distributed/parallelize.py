@@ -33,7 +33,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedConfig, PreTrainedModel
 
@@ -203,7 +208,8 @@ def parallelize(
     layers = decoder_layers(model)
     if tp > 1:
         validate_tensor_parallel(model, tp)
-        plan = {name: ColwiseParallel() for name in _COLWISE} | {name: RowwiseParallel() for name in _ROWWISE}
+        plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in _COLWISE}
+        plan |= {name: RowwiseParallel() for name in _ROWWISE}
         for layer in layers:
             parallelize_module(layer, mesh["tp"], plan)
     if activation_checkpointing:
@@ -222,7 +228,8 @@ def _local_square_sum(grad: torch.Tensor, world: int) -> torch.Tensor:
     A shard held by several ranks (replicated mesh dims, or copies of a sub-mesh) counts once in total.
     """
     if not isinstance(grad, DTensor):
-        return torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2 / world
+        squares: torch.Tensor = torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2 / world
+        return squares
     if any(p.is_partial() for p in grad.placements):
         grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
     copies = world // grad.device_mesh.size()  # ranks outside the mesh hold the same shards
@@ -230,7 +237,8 @@ def _local_square_sum(grad: torch.Tensor, world: int) -> torch.Tensor:
         if placement.is_replicate():
             copies *= size
     local = grad.to_local()
-    return torch.linalg.vector_norm(local, dtype=torch.float32).double() ** 2 / copies
+    squares = torch.linalg.vector_norm(local, dtype=torch.float32).double() ** 2 / copies
+    return squares
 
 
 def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float | None) -> float:

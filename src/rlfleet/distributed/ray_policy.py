@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 
@@ -31,6 +31,7 @@ from rlfleet.distributed.generation_worker import GenerationWorker, WorkerOutput
 from rlfleet.distributed.refit import WeightSpec
 from rlfleet.distributed.sharded_worker import ShardedPolicyWorker, ShardingSettings
 from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError, WorkerTimeoutError, gather
+from rlfleet.errors import UserError
 from rlfleet.generation import GenerationResult, SamplingParams
 from rlfleet.generation.sampling import row_seeds
 from rlfleet.generation.vllm import VLLMSettings
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def split_rows(count: int, parts: int) -> list[tuple[int, int]]:
@@ -181,14 +184,33 @@ class RayRuntime:
             self.owns_ray = False
 
 
-class TrainingWorkerLostError(RuntimeError):
-    """A training rank died: the step cannot finish; the run resumes from its last checkpoint."""
+class TrainingWorkerLostError(UserError, RuntimeError):
+    """A training rank died: the step cannot finish; the run resumes from its last checkpoint.
+
+    A user error in the CLI's sense: its message says what to do (rerun to resume), so ``rlfleet`` prints
+    it alone and exits 2 rather than reporting a bug."""
 
     @classmethod
     def from_death(cls, exc: WorkerDiedError) -> TrainingWorkerLostError:
         return cls(
             f"training {exc}. The sharded state of this step is lost; rerun the same command to resume "
             "from the last checkpoint (checkpointing.checkpoint_dir)"
+        )
+
+
+class GenerationWorkerLostError(UserError, RuntimeError):
+    """The dedicated generation workers kept failing (dying, or not answering within
+    ``cluster.call_timeout_s``) after the ``cluster.generation_retries`` restarts allowed; the message
+    names both settings (exit 2 from the CLI, like every error the user can act on)."""
+
+    @classmethod
+    def out_of_retries(cls, exc: Exception, retries: int) -> GenerationWorkerLostError:
+        return cls(
+            f"generation failed after {retries} restart(s) of the dedicated generation workers "
+            f"(cluster.generation_retries={retries}); the last failure: {exc}. Check the generation workers' "
+            "logs (an out-of-memory kill?), then raise cluster.generation_retries to allow more restarts, or "
+            "cluster.call_timeout_s if they were only slow; rerun the same command to resume from the last "
+            "checkpoint (checkpointing.checkpoint_dir)"
         )
 
 
@@ -208,7 +230,8 @@ class RayPolicy:
 
     def accelerator_name(self) -> str:
         """The training ranks' device (rank 0's): a CUDA device name, or ``cpu``."""
-        return self._run("accelerator_name")[0]
+        name: str = self._run("accelerator_name")[0]
+        return name
 
     def logprobs(
         self,
@@ -218,7 +241,10 @@ class RayPolicy:
         reference: bool = False,
         temperature: float = 1.0,
     ) -> torch.Tensor:
-        return self._run("logprobs", batch, micro_batch_size, reference=reference, temperature=temperature)[0]
+        logprobs: torch.Tensor = self._run(
+            "logprobs", batch, micro_batch_size, reference=reference, temperature=temperature
+        )[0]
+        return logprobs
 
     def train(
         self,
@@ -229,7 +255,7 @@ class RayPolicy:
         micro_batch_size: int | MicroBatching,
         temperature: float = 1.0,
     ) -> dict[str, float]:
-        return self._run(
+        metrics: dict[str, float] = self._run(
             "train",
             batch,
             loss_fn,
@@ -237,6 +263,7 @@ class RayPolicy:
             micro_batch_size=micro_batch_size,
             temperature=temperature,
         )[0]
+        return metrics
 
     def take_metrics(self, total_tokens: int) -> dict[str, float]:
         """Busy-time balance of the training ranks since the last call, which processed ``total_tokens``
@@ -263,7 +290,8 @@ class RayGeneration:
 
     Rows are split into contiguous shares, one per engine, and sampled from per-row seeds, so the
     responses do not depend on the number of engines. A dead dedicated engine is replaced, refitted and the
-    generation retried (``retries`` times); a dead colocated engine is a dead training rank: that raises.
+    generation retried (``retries`` times, a failed restart counting as a failed retry; then
+    ``GenerationWorkerLostError``); a dead colocated engine is a dead training rank: that raises.
     """
 
     def __init__(self, runtime: RayRuntime, retries: int) -> None:
@@ -346,22 +374,25 @@ class RayGeneration:
         )
         return [result for output in outputs for result in output.results]
 
-    def _retrying(self, action: Any) -> Any:
+    def _retrying(self, action: Callable[[], T]) -> T:
         attempt = 0
         while True:
             try:
+                if attempt:  # replace the failed engines; a restart that fails is a failed retry too
+                    start = time.perf_counter()
+                    self._start_dedicated()
+                    log.warning("generation engines restarted in %.1fs", time.perf_counter() - start)
                 return action()
             except (WorkerDiedError, WorkerTimeoutError) as exc:
                 if self.runtime.layout.colocated and isinstance(exc, WorkerDiedError):
                     raise TrainingWorkerLostError.from_death(exc) from exc  # the engines are trainers
-                if self.runtime.layout.colocated or attempt >= self.retries:
+                if self.runtime.layout.colocated:
                     raise
+                if attempt >= self.retries:
+                    raise GenerationWorkerLostError.out_of_retries(exc, self.retries) from exc
                 attempt += 1
                 self.restarts += 1
                 log.warning("generation worker failed (%s); restarting the engines, retry %d", exc, attempt)
-                start = time.perf_counter()
-                self._start_dedicated()
-                log.warning("generation engines restarted in %.1fs", time.perf_counter() - start)
 
     def take_metrics(self) -> dict[str, float]:
         """Per-engine throughput and imbalance of the last ``generate``, and restarts so far."""

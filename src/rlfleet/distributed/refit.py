@@ -59,10 +59,12 @@ class RefitGroup:
         self.rank, self.size, self.dtype = rank, size, dtype
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         store = dist.TCPStore(master_addr, master_port, world_size=size, is_master=rank == 0, timeout=timeout)
+        # torch's stubs give these backends none of the collectives they have (broadcast is all we use)
+        # and NCCL's options no default
         if self.device.type == "cuda":
-            self.group: dist.ProcessGroup = dist.ProcessGroupNCCL(store, rank, size)
+            self.group: dist.ProcessGroup = dist.ProcessGroupNCCL(store, rank, size)  # type: ignore[call-arg, assignment]
         else:
-            self.group = dist.ProcessGroupGloo(store, rank, size, timeout)
+            self.group = dist.ProcessGroupGloo(store, rank, size, timeout)  # type: ignore[assignment]
 
     def _broadcast(self, buffer: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()

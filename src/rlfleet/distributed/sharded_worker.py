@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -182,7 +183,8 @@ class ShardedPolicyWorker(TrainablePolicy):
     def full_state_dict(self, *, on_every_rank: bool = False) -> dict[str, torch.Tensor]:
         """The unsharded weights (on CPU on rank 0 only, or on every rank). Collective: call on all ranks."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=not on_every_rank)
-        return get_model_state_dict(self.model, options=options)
+        # a full state dict of a model holds plain tensors (no DTensor, no nested state)
+        return cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=options))
 
     def generation_state_dict(self, *, on_every_rank: bool = False) -> dict[str, torch.Tensor]:
         """What the generation engines load: the full weights with any LoRA adapters merged in (base

@@ -197,7 +197,8 @@ class RayWorkerGroup:
 
     def free_port_on_rank0(self) -> tuple[str, int]:
         """Rank 0's node address and a port free there (for another group's rendezvous)."""
-        return self._gather([self.actors[0].address_and_free_port.remote()])[0]
+        address: tuple[str, int] = self._gather([self.actors[0].address_and_free_port.remote()])[0]
+        return address
 
     def _gather(self, refs: list[ray.ObjectRef]) -> list[Any]:
         return gather(refs, self.timeout_s)

@@ -102,7 +102,8 @@ class HFGenerationBackend:
         device = self.model.device
         # A float32 master module shared with the trainer computes in the trainer's compute dtype.
         with torch.autocast(device.type, dtype=self.compute_dtype, enabled=self.compute_dtype is not None):
-            sequences = self.model.generate(
+            # transformers 5 types PreTrainedModel without GenerationMixin; causal LMs have generate
+            sequences = self.model.generate(  # type: ignore[operator]
                 input_ids=input_ids.to(device),
                 attention_mask=attention.to(device),
                 generation_config=config,
@@ -121,6 +122,7 @@ class HFGenerationBackend:
         ids = ids[:length]
         lps = tuple(logprobs[i, :length].tolist()) if logprobs is not None else (0.0,) * length
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence decodes to one string
         return GenerationResult(token_ids=tuple(ids), logprobs=lps, text=text, finished=finished)
 
 

@@ -89,7 +89,8 @@ class SeededRowSampler(LogitsProcessor):
         tokens = inverse_cdf_sample(probs, self.uniforms[:, position].to(probs.device))
         self._steps.append(scaled_logprobs(scaled, tokens))
         onehot = torch.full_like(scores, float("-inf"))
-        return onehot.scatter_(-1, tokens.unsqueeze(-1), 0.0)
+        # transformers annotates logits as the legacy FloatTensor class; they are plain float tensors
+        return onehot.scatter_(-1, tokens.unsqueeze(-1), 0.0)  # type: ignore[return-value]
 
     def logprobs(self) -> torch.Tensor:
         """``[B, steps]`` logprob of each drawn token, on the scores' device.

@@ -333,6 +333,7 @@ class VLLMGenerationBackend:
             steps = zip(completion.logprobs, ids, strict=True)
             logprobs = tuple(step[token].logprob for step, token in steps)
         text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence decodes to one string
         finished = completion.finish_reason == "stop"
         return GenerationResult(token_ids=ids, logprobs=logprobs, text=text, finished=finished)
 

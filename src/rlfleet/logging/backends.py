@@ -299,8 +299,8 @@ class MlflowBackend(MetricsBackend):
                 run = self.client.get_run(run_id)
             except self._error_cls:
                 run = None
-            usable = run is not None and run.info.lifecycle_stage == "active"
-            if usable and run.info.experiment_id == experiment_id:
+            active = run is not None and run.info.lifecycle_stage == "active"
+            if run is not None and active and run.info.experiment_id == experiment_id:
                 self.client.update_run(run_id, status="RUNNING")
                 _LOG.info("resuming MLflow run %s", run_id)
                 return run_id, True

@@ -52,7 +52,8 @@ def moving_average(values: np.ndarray, window: int) -> np.ndarray:
     cumsum = np.concatenate(([0.0], np.cumsum(values, dtype=float)))
     end = np.arange(1, values.size + 1)
     start = np.maximum(0, end - window)
-    return (cumsum[end] - cumsum[start]) / (end - start)
+    averaged: np.ndarray = (cumsum[end] - cumsum[start]) / (end - start)
+    return averaged
 
 
 def _no_data(ax: Axes, title: str) -> None:

@@ -24,13 +24,16 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from rlfleet.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +132,10 @@ class LoRALinear(nn.Linear):
 
     lora_A: nn.Linear
     lora_B: nn.Linear
+    dropout: nn.Dropout
+    dropout_position: Literal["pre", "post"]
+    scaling: float
+    adapters_enabled: bool
 
     @classmethod
     def from_linear(cls, base: nn.Linear, settings: LoraSettings) -> LoRALinear:
@@ -159,6 +166,7 @@ class LoRALinear(nn.Linear):
         out = F.linear(x, self.weight, self.bias)
         if not self.adapters_enabled:
             return out
+        update: torch.Tensor
         if self.dropout_position == "pre":
             update = self.lora_B(self.lora_A(self.dropout(x)))
         else:
@@ -239,7 +247,7 @@ class WithoutAdapters:
     ``config``); its train/eval mode is the policy's own.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -259,7 +267,10 @@ class WithoutAdapters:
 
     @property
     def device(self) -> torch.device:
-        return self.model.device  # type: ignore[no-any-return]
+        return self.model.device
+
+    def set_attn_implementation(self, attn_implementation: str) -> None:
+        self.model.set_attn_implementation(attn_implementation)
 
     @property
     def config(self) -> Any:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
@@ -40,20 +41,27 @@ class TrainBatch:
     def select(self, start: int, stop: int) -> TrainBatch:
         """Rows ``start:stop``, with trailing all-padding columns removed."""
         width = int(self.attention_mask[start:stop].sum(dim=1).max())
-        return TrainBatch(**{f.name: _slice(getattr(self, f.name), start, stop, width) for f in fields(self)})
+        return TrainBatch(**_columns(self, lambda value: _slice(value, start, stop, width)))
 
     def take(self, rows: Sequence[int]) -> TrainBatch:
         """Rows ``rows`` (any order), with trailing all-padding columns removed."""
         index = torch.as_tensor(list(rows), dtype=torch.long)
         width = int(self.attention_mask[index].sum(dim=1).max())
-        return TrainBatch(**{f.name: _take(getattr(self, f.name), index, width) for f in fields(self)})
+        return TrainBatch(**_columns(self, lambda value: _take(value, index, width)))
 
     def with_(self, **changes: torch.Tensor | None) -> TrainBatch:
-        return replace(self, **changes)
+        columns: dict[str, Any] = changes  # field names checked by replace at run time
+        return replace(self, **columns)
 
     def to(self, device: torch.device | str) -> TrainBatch:
         """The same batch with every tensor on ``device`` (no copy when already there)."""
-        return TrainBatch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
+        return TrainBatch(**_columns(self, lambda value: _to(value, device)))
+
+
+def _columns(batch: TrainBatch, fn: Callable[[torch.Tensor | None], torch.Tensor | None]) -> dict[str, Any]:
+    """``fn`` of each field of ``batch``, by name: ``TrainBatch``'s keyword arguments (a dict over all
+    fields, whose values mypy cannot match to each field's own type, hence Any)."""
+    return {f.name: fn(getattr(batch, f.name)) for f in fields(batch)}
 
 
 def _to(value: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:

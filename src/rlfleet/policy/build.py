@@ -100,7 +100,9 @@ def build_policy_models(
     cast = compute if compute != MASTER_DTYPE else None
     if device.type == "cpu" and (why := slow_cpu_precision(source.precision, cpu_flags())) is not None:
         log.warning(why)
-    model = load_model(source.model_name, "float32", source.gguf_file).to(device)
+    model = load_model(source.model_name, "float32", source.gguf_file)
+    # transformers' @wraps on PreTrainedModel.to hides the bound self from mypy
+    model.to(device)  # type: ignore[arg-type]
     if lora is not None:
         apply_lora(model, lora)
     if mesh is None:
@@ -118,7 +120,9 @@ def build_policy_models(
 
 def _frozen_reference(source: ModelSource, device: torch.device, mesh: DeviceMesh | None) -> PreTrainedModel:
     """The initial weights in the compute dtype, in eval mode, without gradients (sharded on a mesh)."""
-    reference = load_model(source.model_name, source.precision, source.gguf_file).to(device)
+    reference = load_model(source.model_name, source.precision, source.gguf_file)
+    # transformers' @wraps on PreTrainedModel.to hides the bound self from mypy
+    reference.to(device)  # type: ignore[arg-type]
     if mesh is not None:
         parallelize(reference, mesh, activation_checkpointing=False)
     reference.eval()

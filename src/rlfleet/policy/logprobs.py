@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from rlfleet.models.lora import WithoutAdapters
 from rlfleet.policy import packed_attention
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.microbatch import (
@@ -19,6 +20,9 @@ from rlfleet.policy.microbatch import (
 # (flash_attention_2) from position ids that restart at 0, when no attention mask is given; sdpa_packed
 # (what packing switches sdpa to) runs SDPA sequence by sequence
 PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", packed_attention.NAME)
+
+# what the logprob code scores with: a model, or a LoRA policy seen with its adapters off
+ScoringModel = PreTrainedModel | WithoutAdapters
 
 
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -37,7 +41,7 @@ def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperat
 
 
 def token_logprobs(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+    model: ScoringModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """``[B, T]`` with ``out[:, t] = log p(x_t | x_<t)`` at ``temperature``; ``out[:, 0] = 0``."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, V]
@@ -59,7 +63,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[to
 
 
 def packed_token_logprobs(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+    model: ScoringModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """``token_logprobs`` of right-padded rows computed on one packed row, scattered back to ``[n, T]``.
 
@@ -83,7 +87,7 @@ def packed_token_logprobs(
 
 
 def forward_logprobs(
-    model: PreTrainedModel, mb: TrainBatch, batching: MicroBatching, temperature: float
+    model: ScoringModel, mb: TrainBatch, batching: MicroBatching, temperature: float
 ) -> torch.Tensor:
     """``[n, T]`` token logprobs of the right-padded micro-batch ``mb``, whatever its layout: packed into
     one row, padded to its width rounded up (dynamic batching), or as it is (fixed rows). Padding
@@ -101,7 +105,7 @@ def forward_logprobs(
 
 @torch.no_grad()
 def batch_logprobs(
-    model: PreTrainedModel,
+    model: ScoringModel,
     batch: TrainBatch,
     batching: int | MicroBatching,
     temperature: float,

@@ -10,12 +10,15 @@ packed row (padded batches, generation with a cache) it is plain ``sdpa``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+if TYPE_CHECKING:
+    from rlfleet.models.lora import WithoutAdapters
 
 NAME = "sdpa_packed"
 
@@ -70,7 +73,7 @@ AttentionInterface.register(NAME, sdpa_packed_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # built once per forward, unused on packed rows
 
 
-def use_packed_sdpa(model: PreTrainedModel) -> None:
+def use_packed_sdpa(model: PreTrainedModel | WithoutAdapters) -> None:
     """Switches a model on ``sdpa`` to ``sdpa_packed`` (for good: recomputation under activation
     checkpointing must see the same attention). Other implementations, and models with an active
     sliding window (which cutting a row into whole sequences would ignore), are left as they are."""

@@ -191,7 +191,7 @@ class TrainablePolicy(ABC):
 
     def _apply_update(self, metrics: dict[str, float], grad_norm: float) -> dict[str, float]:
         """Steps the optimizer and the schedule (gradients already clipped); adds ``lr`` and ``grad_norm``."""
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics["lr"] = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -38,9 +38,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from types import TracebackType
-from typing import Literal, Self
+from typing import Generic, Literal, Self, TypeVar
 
 from rlfleet.rewards.loading import RewardFn, load_reward_fn
 from rlfleet.rewards.verify import VerificationTimeout, time_budget
@@ -179,9 +180,9 @@ def _name_of(reward: RewardFn | str) -> str:
 
 
 class ScoringPool(ABC):
-    """The loop both verifier pools share: dispatch items to workers, collect, expire the late ones.
+    """What both verifier pools offer: score batches, each response within ``timeout_s``, in workers.
 
-    A subclass supplies the workers (processes or Ray actors) through the abstract methods.
+    The loop they share (dispatch items to workers, collect, expire the late ones) is ``PoolLoop``.
 
     Args:
         reward_fn: A top-level reward function or its dotted path (``env.math.reward_fn``).
@@ -206,6 +207,55 @@ class ScoringPool(ABC):
         self._closed = False
         self._logged_errors: set[str] = set()  # exception types already logged by this pool
 
+    def _log_new_errors(self, first_errors: dict[str, str]) -> None:
+        """Logs the first error of each exception type this pool has not logged before."""
+        for name, message in first_errors.items():
+            if name in self._logged_errors:
+                continue
+            self._logged_errors.add(name)
+            log.error(
+                "reward function %s raised %s: %s -- such items score 0.0 and count in num_errors "
+                "(train/reward_errors); further %s errors of this pool are counted, not logged",
+                _name_of(self._reward),
+                name,
+                message,
+                name,
+            )
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @abstractmethod
+    def score(self, items: Sequence[Item]) -> RewardBatch:
+        """Scores ``(prompt, response, gold)`` items; rewards come back in input order.
+
+        Raises:
+            RuntimeError: The pool is closed, or its workers keep failing (see the subclass).
+        """
+
+    @abstractmethod
+    def wait_ready(self) -> None:
+        """Blocks until every worker has loaded the reward function (:meth:`score` does not need this)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stops the workers (idempotent)."""
+
+
+BatchT = TypeVar("BatchT", bound=PendingItems)
+
+
+class PoolLoop(ScoringPool, Generic[BatchT]):
+    """The loop both verifier pools share, over their own bookkeeping ``BatchT`` of one ``score`` call.
+
+    A subclass supplies the workers (processes or Ray actors) through the abstract methods.
+    """
+
     def score(self, items: Sequence[Item]) -> RewardBatch:
         """Scores ``(prompt, response, gold)`` items; rewards come back in input order.
 
@@ -226,21 +276,6 @@ class ScoringPool(ABC):
         self._log_new_errors(batch.first_errors)
         return RewardBatch(batch.rewards, batch.num_timeouts, batch.num_errors)
 
-    def _log_new_errors(self, first_errors: dict[str, str]) -> None:
-        """Logs the first error of each exception type this pool has not logged before."""
-        for name, message in first_errors.items():
-            if name in self._logged_errors:
-                continue
-            self._logged_errors.add(name)
-            log.error(
-                "reward function %s raised %s: %s -- such items score 0.0 and count in num_errors "
-                "(train/reward_errors); further %s errors of this pool are counted, not logged",
-                _name_of(self._reward),
-                name,
-                message,
-                name,
-            )
-
     def wait_ready(self) -> None:
         """Blocks until every worker has loaded the reward function (:meth:`score` does not need this)."""
         batch = self._new_batch([])
@@ -248,20 +283,8 @@ class ScoringPool(ABC):
             self._wait(batch)
             self._expire(batch)
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
     @abstractmethod
-    def close(self) -> None:
-        """Stops the workers (idempotent)."""
-
-    @abstractmethod
-    def _new_batch(self, items: Sequence[Item]) -> PendingItems:
+    def _new_batch(self, items: Sequence[Item]) -> BatchT:
         """The bookkeeping of one ``score`` call."""
 
     @abstractmethod
@@ -269,15 +292,15 @@ class ScoringPool(ABC):
         """Whether every worker has started."""
 
     @abstractmethod
-    def _dispatch(self, batch: PendingItems) -> None:
+    def _dispatch(self, batch: BatchT) -> None:
         """Hands pending items to idle workers."""
 
     @abstractmethod
-    def _wait(self, batch: PendingItems) -> None:
+    def _wait(self, batch: BatchT) -> None:
         """Waits (briefly) for results and records them."""
 
     @abstractmethod
-    def _expire(self, batch: PendingItems) -> None:
+    def _expire(self, batch: BatchT) -> None:
         """Replaces workers past their deadline, recording or requeueing their items."""
 
     @abstractmethod
@@ -285,7 +308,7 @@ class ScoringPool(ABC):
         """After an error inside ``score``: drops what is in flight so the next call starts clean."""
 
 
-class VerifierPool(ScoringPool):
+class VerifierPool(PoolLoop[PendingItems]):
     """Scores ``(prompt, response, gold)`` batches in worker processes, each response within ``timeout_s``.
 
     Example:
@@ -318,9 +341,12 @@ class VerifierPool(ScoringPool):
         super().__init__(reward_fn, num_workers, timeout_s)
         if start_method not in ("forkserver", "spawn"):
             raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
-        self._ctx = multiprocessing.get_context(start_method)
+        self._ctx: ForkServerContext | SpawnContext
         if start_method == "forkserver":
+            self._ctx = multiprocessing.get_context("forkserver")
             self._ctx.set_forkserver_preload(_PRELOAD)
+        else:
+            self._ctx = multiprocessing.get_context("spawn")
         self._startup_timeout_s = startup_timeout_s
         self._workers = [self._start_worker() for _ in range(num_workers)]
 

@@ -32,8 +32,8 @@ from rlfleet.rewards.pool import (
     STATUS_TIMEOUT,
     Item,
     PendingItems,
+    PoolLoop,
     Scored,
-    ScoringPool,
     score_one,
 )
 
@@ -80,7 +80,7 @@ class _Slot:
         return self.ready_ref is not None
 
 
-class RayVerifierPool(ScoringPool):
+class RayVerifierPool(PoolLoop[_RetryBatch]):
     """Scores ``(prompt, response, gold)`` batches in Ray actors, each response within ``timeout_s``.
 
     A drop-in for :class:`VerifierPool` where Ray is already initialised (the caller connects).

@@ -85,7 +85,8 @@ def time_budget(seconds: float | None) -> Iterator[bool]:
 
 def parse_gold(gold: str) -> list[object]:
     """math-verify's parse of a reference answer written as LaTeX or a plain expression."""
-    return parse(f"${gold}$", _CONFIGS, parsing_timeout=None, raise_on_error=False)
+    parsed: list[object] = parse(f"${gold}$", _CONFIGS, parsing_timeout=None, raise_on_error=False)
+    return parsed
 
 
 def symbolic_match(prediction: str, gold: str) -> bool:

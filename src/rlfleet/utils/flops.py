@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Dense (no sparsity) peak TFLOP/s of one device for 16-bit matmuls, from the vendors' data sheets.
 # float32 runs on TF32 tensor cores at half of it where the device has them.
@@ -53,7 +57,7 @@ def model_shape(model: nn.Module, num_layers: int, attention_dim: int) -> ModelS
     return ModelShape(total, num_layers, attention_dim)
 
 
-def shape_from_config(model: nn.Module) -> ModelShape:
+def shape_from_config(model: PreTrainedModel) -> ModelShape:
     """``model_shape`` with the layer count and attention width read from ``model.config`` (HF models)."""
     config = model.config
     heads = config.num_attention_heads
