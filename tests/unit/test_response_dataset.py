@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rlfleet.answers import InvalidGoldError, gold_answer
 from rlfleet.config.schema import DataConfig
 from rlfleet.data import (
     DataError,
@@ -25,7 +26,6 @@ from rlfleet.data import (
 )
 from rlfleet.data.prompts import check_prompt_template
 from rlfleet.models.tiny import train_tokenizer
-from rlfleet.rewards.math import InvalidGoldError, gold_answer
 
 GSM8K_TEST = Path(__file__).resolve().parents[1] / "data" / "gsm8k" / "test.jsonl"  # 1,319 rows, MIT
 GOOD = [

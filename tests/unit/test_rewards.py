@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from rlfleet.answers import MAX_GOLD_CHARS
 from rlfleet.rewards import (
     InvalidGoldError,
     RewardBatch,
@@ -26,7 +27,6 @@ from rlfleet.rewards import (
     load_reward_fn,
     math_reward,
 )
-from rlfleet.rewards.math import MAX_GOLD_CHARS
 from rlfleet.rewards.verify import time_budget
 
 TIMEOUT_S = 1.0

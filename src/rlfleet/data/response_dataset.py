@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlfleet.answers import InvalidGoldError, gold_answer
 from rlfleet.config.schema import DataConfig
 from rlfleet.data.errors import DataError
 from rlfleet.data.sources import read_rows
 from rlfleet.data.types import Example
-from rlfleet.rewards.math import InvalidGoldError, gold_answer
 
 RESPONSE_DEFAULTS: dict[str, str] = {
     "train_split": "train",

@@ -9,8 +9,9 @@ per-response time bound (``rewards.ray_pool.RayVerifierPool`` in Ray actors; bot
 
 from __future__ import annotations
 
+from rlfleet.answers import InvalidGoldError, extract_answer, extract_gold, gold_answer
 from rlfleet.rewards.loading import RewardFn, load_reward_fn
-from rlfleet.rewards.math import InvalidGoldError, extract_answer, extract_gold, gold_answer, math_reward
+from rlfleet.rewards.math import math_reward
 from rlfleet.rewards.pool import RewardBatch, ScoringPool, VerifierPool
 
 __all__ = [

@@ -17,7 +17,7 @@ is on has a deadline of ``timeout_s`` from the moment its previous answer arrive
   item queued behind it goes to another worker.
 
 Both count in :attr:`RewardBatch.num_timeouts` and give reward 0.0; an exception in the reward function
-(:class:`~rlfleet.rewards.math.InvalidGoldError` for a gold that is not an answer, say) gives 0.0, counts in
+(:class:`~rlfleet.answers.InvalidGoldError` for a gold that is not an answer, say) gives 0.0, counts in
 :attr:`RewardBatch.num_errors`, and the first one of each exception type is logged (once per pool, with its
 message). A worker that dies on its own (the out-of-memory
 killer) is replaced and its unanswered items are re-run on a fresh worker; a second death on the same item
