@@ -27,6 +27,7 @@ from rlfleet.config import (
     unsupported_settings,
 )
 from rlfleet.config.describe import describe_algorithm
+from rlfleet.config.layout import resource_layout
 from rlfleet.deploy.cli import add_deploy_commands
 from rlfleet.errors import UserError
 
@@ -71,11 +72,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     cfg = _load(args.recipe, args.overrides)
-    check_config(cfg, args.algorithm)
+    layout = resource_layout(cfg)
+    check_config(cfg, args.algorithm, layout=layout)
     print(config_to_yaml(cfg), end="")
     if args.algorithm == "grpo":
         print("# GRPO as configured:", *[f"#   {k}: {v}" for k, v in describe_algorithm(cfg)], sep="\n")
-    not_here = unsupported_settings(cfg)
+    not_here = unsupported_settings(cfg, layout=layout)
     if not_here:
         print("# valid; this build cannot run it as given yet:", *[f"#   - {p}" for p in not_here], sep="\n")
     return 0

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlfleet.config.capabilities import unsupported_settings, uses_ray
+from rlfleet.config.capabilities import uses_ray
+from rlfleet.config.checks import unsupported_settings
 from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.layout import ResourceLayout, compute_layout
 from rlfleet.config.schema import ArchitectureConfig, MasterConfig
@@ -107,17 +108,20 @@ def make_plan(cfg: MasterConfig) -> tuple[Plan, list[str]]:
         trainable_parameters=trainable,
         gen_memory_utilization=p.generation.vllm_cfg.gpu_memory_utilization,
         gen_max_model_len=p.generation.vllm_cfg.max_model_len or p.max_total_sequence_length,
-        gen_engine=vllm_engine_summary(cfg) if p.generation.backend == "vllm" else None,
+        gen_engine=vllm_engine_summary(cfg, layout=layout) if p.generation.backend == "vllm" else None,
     )
     return plan, problems
 
 
-def vllm_engine_summary(cfg: MasterConfig) -> str:
-    """The vLLM engine of a recipe in one line (dtype, context, weights at start, graphs, extra kwargs)."""
+def vllm_engine_summary(cfg: MasterConfig, *, layout: ResourceLayout | None = None) -> str:
+    """The vLLM engine of a recipe in one line (dtype, context, weights at start, graphs, extra kwargs).
+
+    ``layout``: the recipe's ``resource_layout``, computed from ``cfg`` if not given.
+    """
     p = cfg.policy
     v = p.generation.vllm_cfg
     weights = "dummy, refitted before the first generation" if v.load_format == "dummy" else "the policy's"
-    if uses_ray(cfg):  # a Ray-hosted engine starts without weights and receives the trainer's
+    if uses_ray(cfg, layout=layout):  # a Ray-hosted engine starts without weights and receives the trainer's
         how = "gathered" if p.generation.colocated.enabled else "broadcast from training rank 0"
         weights = f"dummy, then the trainer's ({how}) before the first generation"
     text = (
@@ -170,7 +174,7 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
 
 
 def _workers(cfg: MasterConfig, lay: ResourceLayout) -> str:
-    if not uses_ray(cfg):
+    if not uses_ray(cfg, layout=lay):
         if lay.backend == "vllm":
             return "this process (no Ray) + its vLLM engine process (holds its own weights)"
         return "this process (no Ray); generation shares the model"
@@ -193,7 +197,9 @@ def _workers(cfg: MasterConfig, lay: ResourceLayout) -> str:
 def format_plan(cfg: MasterConfig, plan: Plan, recipe: str) -> str:
     """The plan as the text ``rlfleet plan`` prints."""
     lines = [f"plan for {recipe}"] + [f"  {k:<20}{v}" for k, v in _rows(cfg, plan)]
-    lines += [f"  {'not in this build':<20}{problem}" for problem in unsupported_settings(cfg)]
+    lines += [
+        f"  {'not in this build':<20}{problem}" for problem in unsupported_settings(cfg, layout=plan.layout)
+    ]
     if plan.parameters is None:
         lines.append(f"  {'model':<20}no policy.architecture in the recipe: memory not estimated")
         return "\n".join(lines)

@@ -254,9 +254,14 @@ def test_all_errors_reported_at_once() -> None:
     assert message.count("\n") == 5  # a header line, then one line per problem
 
 
-def test_model_validator_error_is_reported() -> None:
+def test_contradiction_within_a_section_is_a_validation_error() -> None:
     with pytest.raises(ConfigError, match=r"data\.arithmetic\.min_ops=3 exceeds max_ops=2"):
         validate_config({"data": {"arithmetic": {"min_ops": 3, "max_ops": 2}}})
+    with pytest.raises(ConfigError) as info:
+        validate_config(
+            {"eval": {"pass_k_value": 3}, "data": {"system_prompt": "a", "system_prompt_file": "f"}}
+        )
+    assert [p.split(":")[0] for p in info.value.problems] == ["data", "eval"]  # schema order, all at once
 
 
 def test_section_given_a_scalar() -> None:
@@ -524,6 +529,29 @@ def test_metric_name_unchecked_when_unused(overrides: list[str]) -> None:
 def test_metric_name_separator_is_normalised(name: str) -> None:
     assert normalize_metric_name(name) in LOGGED_METRICS["grpo"] and "/" in normalize_metric_name(name)
     check_config(validate_config(apply_overrides(good_raw(), [f"checkpointing.metric_name={name}"])), "grpo")
+
+
+def test_contradictions_that_bypass_validation_are_still_refused() -> None:
+    cfg = validate_config(good_raw())
+    cfg.eval.pass_k_value = 3  # assignment checks the field alone
+    with pytest.raises(ConfigError, match=r"\(1 problem\(s\)\):\n  - eval: eval.pass_k_value=3 exceeds"):
+        check_config(cfg, "sft")
+
+
+def test_checks_use_the_layout_they_are_given() -> None:
+    import dataclasses
+
+    from rlfleet.config.capabilities import uses_ray
+    from rlfleet.config.layout import resource_layout
+
+    cfg = validate_config(good_raw())
+    one = resource_layout(cfg)
+    check_config(cfg, "grpo", layout=one)
+    assert not uses_ray(cfg, layout=one)
+    eight = dataclasses.replace(one, gpus_per_node=8, train_gpus_per_node=8, gen_gpus_per_node=8)
+    with pytest.raises(ConfigError, match="data-parallel size 8"):
+        check_config(cfg, "grpo", layout=eight)
+    assert uses_ray(cfg, layout=eight)
 
 
 def test_unknown_algorithm_is_an_error() -> None:

@@ -8,6 +8,7 @@ import pytest
 from rlfleet.cli import main
 from rlfleet.config import ConfigError, apply_overrides, check_config, validate_config
 from rlfleet.config.describe import describe_algorithm
+from rlfleet.config.resolved import truncation_type
 from tests.unit.test_config import good_raw
 
 
@@ -123,6 +124,22 @@ def test_nemo_rl_type_names_are_the_only_ones_accepted() -> None:
         validate_config(apply_overrides(good_raw(), ["loss_fn.truncated_importance_sampling_type=clip"]))
     with pytest.raises(ConfigError, match="batch_multiplier"):
         validate_config(apply_overrides(good_raw(), ["grpo.batch_multiplier=0.5"]))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], None),
+        (["loss_fn.truncated_importance_sampling_ratio=2"], "tis"),  # a cap alone means tis
+        (["loss_fn.truncated_importance_sampling_type=tis"], "tis"),
+        (["loss_fn.truncated_importance_sampling_type=icepop"], "icepop"),
+        (["loss_fn.truncated_importance_sampling_type=seq-mask-tis"], "seq-mask-tis"),
+        (["loss_fn.truncated_importance_sampling_ratio_min=0.5"], None),
+    ],
+)
+def test_truncation_type_resolves_a_cap_alone_to_tis(overrides: list[str], expected: str | None) -> None:
+    cfg = validate_config(apply_overrides(good_raw(), overrides))
+    assert truncation_type(cfg.loss_fn) == expected
 
 
 def test_summary_names_each_variant() -> None:

@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from rlfleet.config import ConfigError, load_recipe, resolve_recipe_path
-from rlfleet.config.capabilities import unsupported_settings
+from rlfleet.config import ConfigError, load_recipe, resolve_recipe_path, unsupported_settings
 from rlfleet.config.schema import MasterConfig
 from rlfleet.models.lora import (
     LoRALinear,

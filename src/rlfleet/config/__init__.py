@@ -1,20 +1,18 @@
 """Recipe configuration: the schema, the YAML loader with ``defaults``, Hydra-style overrides, checks."""
 
-from rlfleet.config.capabilities import ensure_runnable, unsupported_settings
+from rlfleet.config.checks import check_config, ensure_runnable, unsupported_settings
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.loader import (
-    LOGGED_METRICS,
-    check_config,
     config_to_yaml,
     load_recipe,
     load_yaml_with_defaults,
-    normalize_metric_name,
     resolve_recipe_path,
     schema_keys,
     shipped_recipe_dirs,
     shipped_recipe_names,
     validate_config,
 )
+from rlfleet.config.metric_names import LOGGED_METRICS, normalize_metric_name
 from rlfleet.config.overrides import Override, apply_overrides, parse_override, quote_override_value
 from rlfleet.config.schema import MasterConfig
 

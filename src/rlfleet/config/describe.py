@@ -4,6 +4,7 @@ before anything runs."""
 
 from __future__ import annotations
 
+from rlfleet.config.resolved import truncation_type
 from rlfleet.config.schema import MasterConfig
 
 
@@ -36,15 +37,15 @@ def _importance_sampling(cfg: MasterConfig) -> str:
         return "off"
     level = "per sequence" if lf.sequence_level_importance_ratios else "per token"
     kind, high, low = (
-        lf.truncated_importance_sampling_type,
+        truncation_type(lf),
         lf.truncated_importance_sampling_ratio,
         lf.truncated_importance_sampling_ratio_min,
     )
-    if kind is None and high is None:
+    if kind is None:
         return f"pi_prev / pi_gen {level}, untruncated"
-    if kind in (None, "tis") and low:
+    if kind == "tis" and low:
         return f"pi_prev / pi_gen {level}, clamped to [{low:g}, {high:g}] (tis)"
-    if kind in (None, "tis"):
+    if kind == "tis":
         return f"pi_prev / pi_gen {level}, truncated at {high:g} (tis)"
     unit = "tokens" if kind == "icepop" else "sequences (geometric mean)"
     return f"pi_prev / pi_gen {level}, {unit} outside [{low:g}, {high:g}] masked ({kind})"

@@ -1,48 +1,41 @@
-"""Loading, overriding, validating and checking recipes.
+"""Loading, overriding and validating recipes, and finding the shipped ones.
 
 A recipe is a YAML file whose top-level ``defaults:`` names parent recipes (NeMo RL style); command-line
 overrides follow Hydra's grammar (see :mod:`rlfleet.config.overrides`); the merged mapping is validated
-against :class:`~rlfleet.config.schema.MasterConfig`, then :func:`check_config` checks what one field alone
-cannot. Every user-facing problem raises :class:`ConfigError`, whose message lists all problems found, one
-per line, each naming the dotted key, the offending value, the constraint and a fix.
+against :class:`~rlfleet.config.schema.MasterConfig`. What one field alone cannot show is checked in
+:mod:`rlfleet.config.checks`. Every user-facing problem raises :class:`ConfigError`, whose message lists all
+problems found, one per line, each naming the dotted key, the offending value, the constraint and a fix.
 """
 
 from __future__ import annotations
 
 import difflib
-import math
 import re
 import types
 import typing
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 import rlfleet
-from rlfleet.config.batching import check_micro_batching
+from rlfleet.config.checks import section_problems
 from rlfleet.config.errors import ConfigError, deep_merge, got, short_repr
-from rlfleet.config.layout import compute_layout
-from rlfleet.config.metric_names import LOGGED_METRICS, normalize_metric_name
 from rlfleet.config.overrides import Override, apply_overrides, parse_override
 from rlfleet.config.schema import MasterConfig
-from rlfleet.config.variant_checks import variant_problems
 
 __all__ = [
-    "LOGGED_METRICS",
     "ConfigError",
     "MasterConfig",
     "Override",
     "apply_overrides",
-    "check_config",
     "config_to_yaml",
     "deep_merge",
     "load_recipe",
     "load_yaml_with_defaults",
-    "normalize_metric_name",
     "parse_override",
     "resolve_recipe_path",
     "schema_keys",
@@ -50,8 +43,6 @@ __all__ = [
     "shipped_recipe_names",
     "validate_config",
 ]
-
-Algorithm = Literal["grpo", "sft"]
 
 # --------------------------------------------------------------------------------------------- YAML files
 
@@ -319,7 +310,8 @@ def validate_config(raw: dict[str, Any]) -> MasterConfig:
     """Build the :class:`MasterConfig` of a merged recipe mapping.
 
     Raises:
-        ConfigError: listing every schema violation at once; an unknown key names the closest valid keys.
+        ConfigError: listing every schema violation at once (an unknown key names the closest valid keys),
+            else every contradiction within a section (:func:`rlfleet.config.checks.section_problems`).
     """
     if not isinstance(raw, dict):
         raise ConfigError(
@@ -327,10 +319,14 @@ def validate_config(raw: dict[str, Any]) -> MasterConfig:
             "fix the recipe's top level"
         )
     try:
-        return MasterConfig.model_validate(raw)
+        cfg = MasterConfig.model_validate(raw)
     except ValidationError as exc:
         problems = [_describe(error) for error in exc.errors(include_url=False)]
         raise ConfigError(problems, header=f"invalid config ({len(problems)} problem(s)):") from exc
+    problems = section_problems(cfg)
+    if problems:
+        raise ConfigError(problems, header=f"invalid config ({len(problems)} problem(s)):")
+    return cfg
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> MasterConfig:
@@ -346,135 +342,6 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> MasterConfig
         source = f"recipe {path}" + (" with its command-line overrides" if overrides else "")
         header = f"{source} is invalid ({len(exc.problems)} problem(s)):"
         raise ConfigError(exc.problems, header=header) from exc
-
-
-# ------------------------------------------------------------------------------------- cross-field checks
-
-
-def _divisors_near(number: int, target: int, multiple_of: int = 1, count: int = 3) -> list[int]:
-    """Up to ``count`` divisors of ``number`` nearest ``target``, preferring multiples of ``multiple_of``."""
-    small = [d for d in range(1, math.isqrt(number) + 1) if number % d == 0]
-    divisors = sorted({*small, *(number // d for d in small)})
-    preferred = [d for d in divisors if d % multiple_of == 0] or divisors
-    return sorted(sorted(preferred, key=lambda d: (abs(d - target), d))[:count])
-
-
-def _check_batches(cfg: MasterConfig, algorithm: Algorithm) -> list[str]:
-    policy, problems = cfg.policy, []
-    batch, micro = policy.train_global_batch_size, policy.train_micro_batch_size
-    if algorithm == "grpo":
-        prompts, group = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
-        samples = prompts * group
-        if samples % batch:
-            step = batch // math.gcd(batch, group)
-            prompts_hint = max(step, round(prompts / step) * step)
-            suggestions = ", ".join(map(str, _divisors_near(samples, batch, micro)))
-            problems.append(
-                f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {prompts} * {group} = "
-                f"{samples} samples per step, which policy.train_global_batch_size={batch} does not divide, "
-                f"so the step's samples do not form whole optimizer batches; fix: set "
-                f"policy.train_global_batch_size to a divisor of {samples} (e.g. {suggestions}) or "
-                f"grpo.num_prompts_per_step to a multiple of {step} (e.g. {prompts_hint})"
-            )
-    if batch % micro:
-        suggestions = ", ".join(map(str, _divisors_near(batch, micro)))
-        problems.append(
-            f"policy.train_global_batch_size={batch} is not divisible by "
-            f"policy.train_micro_batch_size={micro}, so gradient accumulation cannot cover the batch "
-            f"exactly; fix: set policy.train_micro_batch_size to a divisor of {batch} (e.g. {suggestions})"
-        )
-    return problems
-
-
-def _check_lengths(cfg: MasterConfig) -> list[str]:
-    new_tokens, total = cfg.policy.generation.max_new_tokens, cfg.policy.max_total_sequence_length
-    model_len = cfg.policy.generation.vllm_cfg.max_model_len
-    problems = []
-    if cfg.policy.generation.backend == "vllm" and model_len is not None and model_len < total:
-        problems.append(
-            f"policy.generation.vllm_cfg.max_model_len={model_len} is shorter than "
-            f"policy.max_total_sequence_length={total}, so vLLM would cut sequences the trainer expects; "
-            f"fix: policy.generation.vllm_cfg.max_model_len={total} (or null to follow the sequence length)"
-        )
-    if new_tokens < total:
-        return problems
-    return [
-        *problems,
-        f"policy.generation.max_new_tokens={new_tokens} must be < policy.max_total_sequence_length={total}, "
-        f"since the prompt and the response share that length; fix: lower policy.generation.max_new_tokens "
-        f"(e.g. {max(1, total // 2)}) or raise policy.max_total_sequence_length (e.g. {2 * new_tokens})",
-    ]
-
-
-def _check_metric(cfg: MasterConfig, algorithm: Algorithm) -> list[str]:
-    ckpt = cfg.checkpointing
-    if not ckpt.enabled or ckpt.keep_top_k is None or ckpt.metric_name is None:
-        return []
-    logged, name = LOGGED_METRICS[algorithm], normalize_metric_name(ckpt.metric_name)
-    if name in logged:
-        return []
-    close = difflib.get_close_matches(name, sorted(logged), n=1, cutoff=0)
-    return [
-        f"checkpointing.metric_name: got {ckpt.metric_name!r}, but {algorithm} logs only "
-        f"{', '.join(sorted(logged))} (':' and '/' are interchangeable, surrounding spaces are dropped), "
-        "so checkpoints could not be ranked; "
-        f"fix: set checkpointing.metric_name to one of those (e.g. {close[0]}), or "
-        "checkpointing.keep_top_k=null to keep every checkpoint"
-    ]
-
-
-def _check_grpo(cfg: MasterConfig) -> list[str]:
-    if cfg.grpo.num_generations_per_prompt >= 2 or not cfg.grpo.use_leave_one_out_baseline:
-        return []
-    return [
-        "grpo.use_leave_one_out_baseline=true needs grpo.num_generations_per_prompt >= 2 (got "
-        f"{cfg.grpo.num_generations_per_prompt}): the baseline is the mean reward of the prompt's other "
-        "samples; fix: set grpo.num_generations_per_prompt to 2 or more (e.g. 8) or "
-        "grpo.use_leave_one_out_baseline=false"
-    ]
-
-
-def _check_resources(cfg: MasterConfig) -> list[str]:
-    colocated = cfg.policy.generation.colocated
-    if colocated.enabled:
-        return []
-    prefix = "policy.generation.colocated.resources"
-    return [
-        f"{prefix}.{name}: got None, but policy.generation.colocated.enabled=false (generation on its own "
-        f"GPUs) needs it; fix: set {prefix}.{name} to an integer >= 1, or "
-        "policy.generation.colocated.enabled=true"
-        for name in ("num_nodes", "gpus_per_node")
-        if getattr(colocated.resources, name) is None
-    ]
-
-
-def check_config(cfg: MasterConfig, algorithm: Algorithm) -> None:
-    """Check what single fields cannot: batch arithmetic, lengths, the checkpoint metric, resources.
-
-    Raises:
-        ConfigError: listing every problem for ``algorithm`` (``"grpo"`` or ``"sft"``).
-    """
-    if algorithm not in LOGGED_METRICS:
-        raise ConfigError(
-            f"algorithm: got {algorithm!r}, expected one of {', '.join(sorted(LOGGED_METRICS))}; "
-            "fix: pass 'grpo' or 'sft'"
-        )
-    problems: list[str] = []
-    if not cfg.policy.model_name.strip():
-        problems.append(
-            f"policy.model_name: got {cfg.policy.model_name!r}, expected a Hugging Face hub id or a local "
-            "model directory; fix: set it in the recipe or on the command line "
-            "(e.g. policy.model_name=Qwen/Qwen2.5-0.5B-Instruct)"
-        )
-    problems += _check_batches(cfg, algorithm)
-    problems += check_micro_batching(cfg)
-    if algorithm == "grpo":
-        problems += _check_lengths(cfg) + _check_grpo(cfg) + variant_problems(cfg)
-    problems += _check_metric(cfg, algorithm)
-    resource_problems = _check_resources(cfg)
-    problems += resource_problems or compute_layout(cfg)[1]
-    if problems:
-        raise ConfigError(problems, header=f"config cannot run {algorithm} ({len(problems)} problem(s)):")
 
 
 # ---------------------------------------------------------------------------------------- shipped recipes

@@ -6,14 +6,15 @@ overrides carry over. Every default is defined here and only here; components re
 taken from these models, never the whole config with ``.get(key, default)``.
 
 Every model forbids unknown keys: a typo is an error (see ``rlfleet.config.loader`` for the message that
-names the closest valid keys).
+names the closest valid keys). The models check single fields (types, ranges, choices); what depends on
+several fields, even of one section, is checked in :mod:`rlfleet.config.checks`.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Strict(BaseModel):
@@ -257,22 +258,6 @@ class LoraConfig(Strict):
         "xavier", description="Initialisation of A: xavier (normal) or uniform (Kaiming); B starts at zero."
     )
 
-    @model_validator(mode="after")
-    def _one_way_to_choose(self) -> LoraConfig:
-        if self.enabled and self.match_all_linear and self.target_modules:
-            raise ValueError(
-                f"policy.dtensor_cfg.lora_cfg.target_modules={self.target_modules} with "
-                "match_all_linear=true: match_all_linear adapts every linear layer, so the list would be "
-                "ignored; fix: match_all_linear=false to adapt only target_modules, or target_modules=[]"
-            )
-        if self.enabled and not self.match_all_linear and not self.target_modules:
-            raise ValueError(
-                "policy.dtensor_cfg.lora_cfg: match_all_linear=false and target_modules is empty, so no "
-                "layer would be adapted; fix: target_modules=[q_proj,v_proj] (for example), or "
-                "match_all_linear=true"
-            )
-        return self
-
 
 class DTensorConfig(Strict):
     enabled: bool = True
@@ -391,15 +376,6 @@ class ArithmeticConfig(Strict):
     operations: list[Literal["+", "-", "*"]] = ["+", "-"]
     seed: int = 1234
 
-    @model_validator(mode="after")
-    def _ops_order(self) -> ArithmeticConfig:
-        if self.min_ops > self.max_ops:
-            raise ValueError(
-                f"data.arithmetic.min_ops={self.min_ops} exceeds max_ops={self.max_ops}; "
-                "set min_ops <= max_ops"
-            )
-        return self
-
 
 class DataConfig(Strict):
     """Where prompts come from.
@@ -426,12 +402,6 @@ class DataConfig(Strict):
     max_input_seq_length: int | None = Field(None, ge=1, description="Longer prompts are dropped.")
     shuffle: bool = True
     arithmetic: ArithmeticConfig = ArithmeticConfig()
-
-    @model_validator(mode="after")
-    def _one_system_prompt(self) -> DataConfig:
-        if self.system_prompt is not None and self.system_prompt_file is not None:
-            raise ValueError("data.system_prompt and data.system_prompt_file are both set; keep one of them")
-        return self
 
 
 class MathEnvConfig(Strict):
@@ -495,15 +465,6 @@ class EvalConfig(Strict):
     pass_k_value: int = Field(1, ge=1, description="k of pass@k; <= num_tests_per_prompt.")
     max_val_samples: int | None = Field(None, ge=1, description="Validation prompts (first N); all if null.")
     seed: int = 42
-
-    @model_validator(mode="after")
-    def _k_fits(self) -> EvalConfig:
-        if self.pass_k_value > self.num_tests_per_prompt:
-            raise ValueError(
-                f"eval.pass_k_value={self.pass_k_value} exceeds eval.num_tests_per_prompt="
-                f"{self.num_tests_per_prompt}; raise num_tests_per_prompt to at least k"
-            )
-        return self
 
 
 class ClusterConfig(Strict):

