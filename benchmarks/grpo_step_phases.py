@@ -61,7 +61,7 @@ def generation_ratio(trainer: GRPO, repeats: int) -> tuple[float, float]:
     prompts = [p.token_ids for p in trainer.data.val[: cfg.grpo.num_prompts_per_step]]
     prompts = [p for p in prompts for _ in range(cfg.grpo.num_generations_per_prompt)][:n]
     params = SamplingParams(cfg.policy.generation.max_new_tokens, cfg.policy.generation.temperature)
-    tok, model = trainer.ctx.worker.tokenizer, trainer.ctx.worker.model
+    tok, model = trainer.ctx.policy.tokenizer, trainer.ctx.policy.model
     width = max(map(len, prompts))
     ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + list(p) for p in prompts])
     mask = (torch.arange(width)[None, :] >= (width - torch.tensor([len(p) for p in prompts]))[:, None]).long()

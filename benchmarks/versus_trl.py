@@ -153,7 +153,7 @@ def write_prompts(case_rows: int, out: Path) -> Path:
 def run_rlfleet(case: Case, run_dir: Path, extra: list[str], *, always_compute_prev: bool) -> StepTimes:
     trainer = GRPO(rlfleet_config(case, run_dir, extra), always_compute_prev=always_compute_prev)
     trainer.train()
-    trainer.ctx.worker.close()
+    trainer.ctx.policy.close()
     name = "rlfleet (separate prev pass)" if always_compute_prev else "rlfleet"
     times = StepTimes(name)
     for r in read_metrics(run_dir / "logs"):

@@ -462,3 +462,16 @@ def ray_head() -> Iterator[RayHead]:
     finally:
         _stop_group(proc)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def count_logprob_passes(trainer: Any) -> list[bool]:
+    """Records ``reference`` of every ``policy.logprobs`` call the trainer makes."""
+    policy, calls = trainer.ctx.policy, []
+    original = policy.logprobs
+
+    def counted(*args: Any, reference: bool = False, **kwargs: Any) -> Any:
+        calls.append(reference)
+        return original(*args, reference=reference, **kwargs)
+
+    policy.logprobs = counted
+    return calls

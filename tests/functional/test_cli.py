@@ -87,7 +87,7 @@ def test_train_then_export_loads_with_from_pretrained(capsys, tiny_model_dir: Pa
     code, out, _ = run_cli(capsys, "export", str(tmp_path / "ckpt" / "step_2"), str(out_dir))
     assert code == 0 and "exported" in out
     exported = AutoModelForCausalLM.from_pretrained(out_dir)
-    trained = GRPO(small_grpo_config(tiny_model_dir, tmp_path, "grpo.max_num_steps=2")).ctx.worker.model
+    trained = GRPO(small_grpo_config(tiny_model_dir, tmp_path, "grpo.max_num_steps=2")).ctx.policy.model
     ids = torch.tensor([[5, 6, 7, 8]])
     torch.testing.assert_close(exported(ids).logits, trained(ids).logits)
 

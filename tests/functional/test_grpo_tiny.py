@@ -13,13 +13,13 @@ from rlfleet.distributed.parallelize import is_checkpointed
 from rlfleet.logging import read_metrics
 from rlfleet.policy.batch import collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
-from tests.conftest import comparable_metrics, kill_in_step, small_grpo_config
+from tests.conftest import comparable_metrics, count_logprob_passes, kill_in_step, small_grpo_config
 
 DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"
 
 
 def _params(trainer: GRPO) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.ctx.worker.model.named_parameters()}
+    return {n: p.detach().clone() for n, p in trainer.ctx.policy.model.named_parameters()}
 
 
 def test_two_grpo_steps_change_every_trainable_parameter(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -85,7 +85,7 @@ def test_micro_batch_1_x_8_equals_8_x_1(tiny_model_dir: Path, tmp_path: Path, to
     results = []
     for micro in (1, 8):
         trainer = GRPO(cfg)
-        worker = trainer.ctx.worker
+        worker = trainer.ctx.policy
         batch = collate(prompts, responses, worker.tokenizer.pad_token_id)
         prev = worker.logprobs(batch, 8)
         batch = batch.with_(
@@ -135,7 +135,7 @@ def test_activation_checkpointing_gives_the_same_update(tiny_model_dir: Path, tm
                 f"policy.dtensor_cfg.activation_checkpointing={flag}",
             )
         )
-        assert is_checkpointed(trainer.ctx.worker.model) == (flag == "true")
+        assert is_checkpointed(trainer.ctx.policy.model) == (flag == "true")
         trainer.train()
         params.append(_params(trainer))
     for name, value in params[0].items():
@@ -176,19 +176,6 @@ ON_POLICY = (
 )
 
 
-def _count_logprob_passes(trainer: GRPO) -> list[bool]:
-    """Records ``reference`` of every ``worker.logprobs`` call the trainer makes."""
-    worker, calls = trainer.ctx.worker, []
-    original = worker.logprobs
-
-    def counted(*args, reference: bool = False, **kwargs):
-        calls.append(reference)
-        return original(*args, reference=reference, **kwargs)
-
-    worker.logprobs = counted  # type: ignore[method-assign]
-    return calls
-
-
 @pytest.mark.parametrize("logprob_batch_size", [4, 16])
 def test_on_policy_step_without_the_prev_pass_gives_the_same_update(
     tiny_model_dir: Path, tmp_path: Path, logprob_batch_size: int
@@ -200,8 +187,7 @@ def test_on_policy_step_without_the_prev_pass_gives_the_same_update(
             tiny_model_dir, run_dir, *ON_POLICY, f"policy.logprob_batch_size={logprob_batch_size}"
         )
         trainer = GRPO(cfg, always_compute_prev=always_compute_prev)
-        assert trainer.prev_from_training_forward is not always_compute_prev
-        calls = _count_logprob_passes(trainer)
+        calls = count_logprob_passes(trainer)
         trainer.train()
         assert calls == ([False, True] if always_compute_prev else [True])  # (prev,) reference
         runs.append((_params(trainer), read_metrics(run_dir / "logs")[-1]))
@@ -217,8 +203,8 @@ def test_on_policy_step_without_the_prev_pass_gives_the_same_update(
 def test_no_logprob_pass_at_all_without_kl_penalty(tiny_model_dir: Path, tmp_path: Path) -> None:
     cfg = small_grpo_config(tiny_model_dir, tmp_path, *ON_POLICY, "loss_fn.reference_policy_kl_penalty=0")
     trainer = GRPO(cfg)
-    assert not trainer.ctx.worker.has_reference  # the reference is not even built
-    calls = _count_logprob_passes(trainer)
+    assert not trainer.ctx.policy.has_reference  # the reference is not even built
+    calls = count_logprob_passes(trainer)
     trainer.train()
     assert calls == []
     last = read_metrics(tmp_path / "logs")[-1]

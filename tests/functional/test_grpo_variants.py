@@ -19,7 +19,7 @@ QUICK = ("grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.enab
 
 
 def _params(trainer: GRPO) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.ctx.worker.model.named_parameters()}
+    return {n: p.detach().clone() for n, p in trainer.ctx.policy.model.named_parameters()}
 
 
 def _train(model_dir: Path, run_dir: Path, *overrides: str) -> tuple[GRPO, list[dict], bool]:

@@ -153,7 +153,7 @@ def test_vllm_engine_receives_merged_weights(tiny_vllm_model_dir: Path, tmp_path
 
 
 def _params(trainer: GRPO) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.ctx.worker.model.named_parameters()}
+    return {n: p.detach().clone() for n, p in trainer.ctx.policy.model.named_parameters()}
 
 
 @pytest.mark.slow
@@ -169,7 +169,7 @@ def test_grpo_with_lora_moves_only_adapters_and_exports(tiny_model_dir: Path, tm
     )
     assert cfg.loss_fn.reference_policy_kl_penalty > 0  # the reference is used: adapters off
     trainer = GRPO(cfg)
-    worker = trainer.ctx.worker
+    worker = trainer.ctx.policy
     assert isinstance(worker.reference, WithoutAdapters)
     before = _params(trainer)
     trainer.train()
@@ -226,7 +226,7 @@ def test_lora_run_resumes_to_identical_weights(tiny_model_dir: Path, tmp_path: P
     assert resumed.ctx.step == 2
     resumed.train()
     want = _params(full)
-    assert len(want) > len(_adapter_names(full.ctx.worker.model)) > 0
+    assert len(want) > len(_adapter_names(full.ctx.policy.model)) > 0
     for name, p in _params(resumed).items():
         torch.testing.assert_close(p, want[name], rtol=0, atol=0, msg=name)
 

@@ -182,7 +182,7 @@ def test_bf16_grpo_runs_on_cpu_with_fp32_master_weights(tiny_model_dir: Path, tm
         "policy.dtensor_cfg.activation_checkpointing=true",
     )
     trainer = GRPO(small_grpo_config(tiny_model_dir, tmp_path, *overrides, BF16))
-    worker = trainer.ctx.worker
+    worker = trainer.ctx.policy
     assert isinstance(worker, PolicyWorker) and worker.has_reference
     assert trainer.backend.compute_dtype == torch.bfloat16  # generation on the master copy autocasts too
     before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}

@@ -250,7 +250,7 @@ def test_grpo_step_with_packing_or_dynamic_batching_equals_the_padded_one(
         metrics = trainer.train()
         results[name] = (
             metrics,
-            {n: p.detach().clone() for n, p in trainer.ctx.worker.model.named_parameters()},
+            {n: p.detach().clone() for n, p in trainer.ctx.policy.model.named_parameters()},
         )
     want, want_params = results["padded"]
     assert want["train/padding_fraction"] == want["train/padding_fraction_fixed_rows"] > 0

@@ -171,12 +171,12 @@ def test_two_grpo_steps_with_the_vllm_backend(tiny_vllm_model_dir: Path, tmp_pat
         "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward",
     )
     trainer = GRPO(cfg)
-    before = {n: p.detach().clone() for n, p in trainer.ctx.worker.model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in trainer.ctx.policy.model.named_parameters()}
     trainer.train()
     records = read_metrics(tmp_path / "logs")
     assert [r["step"] for r in records] == [0, 1, 2]
     for record in records[1:]:
         assert all(math.isfinite(v) for v in record.values() if isinstance(v, float)), record
         assert record["train/gen_logprob_error"] < 1e-3
-    assert any(not torch.equal(before[n], p) for n, p in trainer.ctx.worker.model.named_parameters())
-    assert not trainer.ctx.worker.closers  # the run closed its engine
+    assert any(not torch.equal(before[n], p) for n, p in trainer.ctx.policy.model.named_parameters())
+    assert not trainer.ctx.policy.closers  # the run closed its engine

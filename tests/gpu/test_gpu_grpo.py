@@ -66,7 +66,7 @@ def test_grpo_two_bf16_steps_on_gpu(smollm2_overrides: list[str], tmp_path: Path
         ],
     )
     run = GRPO(cfg)
-    model = run.ctx.worker.model
+    model = run.ctx.policy.model
     assert next(model.parameters()).device.type == "cuda"
     before = {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
     run.train()

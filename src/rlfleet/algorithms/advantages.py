@@ -27,6 +27,12 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.reshape(-1, group_size)  # [P, G]
 
 
+def flat_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[P]`` bool: the groups whose ``G`` rewards are all equal (zero advantage: no learning signal)."""
+    grouped = _grouped(rewards, group_size)
+    return grouped.amax(dim=1) == grouped.amin(dim=1)
+
+
 def leave_one_out_std(grouped: torch.Tensor) -> torch.Tensor:
     """``[P, G]`` unbiased std of the ``G - 1`` rewards other than each sample; 0 where they are all equal
     or fewer than two (exact zeros, never a rounding residue that would blow up a division)."""
@@ -68,7 +74,7 @@ def baseline_and_std(
     if leave_one_out and std_over == "baseline_samples":
         std = leave_one_out_std(grouped)
     elif group_size > 1:
-        constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+        constant = flat_groups(rewards, group_size).unsqueeze(1)
         std = torch.where(constant, 0.0, grouped.std(dim=1, keepdim=True)).expand_as(grouped)
     else:
         std = torch.zeros_like(grouped)
@@ -101,12 +107,10 @@ def group_advantages(
     adv = rewards - baseline
     if normalize:
         adv = torch.where(std > 0, adv / (std + eps), adv)
-    grouped = _grouped(rewards, group_size)
-    flat = (grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)).expand_as(grouped)
-    return torch.where(flat.reshape(-1), torch.zeros_like(adv), adv)
+    flat = flat_groups(rewards, group_size).repeat_interleave(group_size)
+    return torch.where(flat, torch.zeros_like(adv), adv)
 
 
 def zero_variance_fraction(rewards: torch.Tensor, group_size: int) -> float:
     """Fraction of groups whose rewards are all equal (they carry no learning signal)."""
-    grouped = _grouped(rewards, group_size)
-    return float((grouped.max(dim=1).values == grouped.min(dim=1).values).float().mean())
+    return float(flat_groups(rewards, group_size).float().mean())

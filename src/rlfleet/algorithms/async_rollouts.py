@@ -19,7 +19,7 @@ import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -61,6 +61,7 @@ class RolloutPrefetcher(Generic[T]):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlfleet-rollouts")
         self._pending: tuple[Future[T], int, int] | None = None
         self._done: Prefetched[T] | None = None
+        self._resume_state: dict[str, Any] | None = None
 
     @property
     def pending(self) -> bool:
@@ -72,10 +73,20 @@ class RolloutPrefetcher(Generic[T]):
         """A batch was submitted and not taken yet."""
         return self._pending is not None or self._done is not None
 
-    def submit(self, collect: Callable[[], T], *, version: int, for_step: int) -> None:
-        """Starts ``collect()`` (which generates with the weights of ``version``) in the background."""
+    @property
+    def resume_state(self) -> dict[str, Any] | None:
+        """While a batch is prefetched and not yet taken: the dataloader position from before it was drawn,
+        which a checkpoint records so that a resumed run draws the same prompts again; else None."""
+        return self._resume_state if self.has_batch else None
+
+    def submit(
+        self, collect: Callable[[], T], *, version: int, for_step: int, resume_state: dict[str, Any]
+    ) -> None:
+        """Starts ``collect()`` (which generates with the weights of ``version``) in the background;
+        ``resume_state`` is the dataloader position before ``collect`` draws its prompts."""
         if self.has_batch:
             raise RuntimeError("a prefetched batch is still pending; take() it before submitting another")
+        self._resume_state = resume_state
         self._pending = (self._executor.submit(collect), version, for_step)
 
     def finish(self) -> None:

@@ -14,10 +14,12 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from rlfleet.algorithms.overlong import OverlongShaping
 from rlfleet.config import MasterConfig
 from rlfleet.config.batching import Pass, micro_batch_rows, micro_batch_tokens
 from rlfleet.config.capabilities import uses_ray
-from rlfleet.config.layout import compute_layout
+from rlfleet.config.layout import ResourceLayout, resource_layout
+from rlfleet.config.resolved import truncation_type
 from rlfleet.data import (
     Example,
     Prompt,
@@ -27,10 +29,17 @@ from rlfleet.data import (
     resolve_system_prompt,
 )
 from rlfleet.distributed.sharded_worker import ShardingSettings
-from rlfleet.generation import GenerationBackend, HFGenerationBackend, VLLMGenerationBackend, VLLMSettings
+from rlfleet.generation import (
+    GenerationBackend,
+    HFGenerationBackend,
+    SamplingParams,
+    VLLMGenerationBackend,
+    VLLMSettings,
+)
 from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import LoraSettings
 from rlfleet.policy.interface import Policy
+from rlfleet.policy.loss_functions import ClippedPGLossFn
 from rlfleet.policy.microbatch import MicroBatching
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
 from rlfleet.rewards import ScoringPool, VerifierPool
@@ -139,57 +148,58 @@ def build_backend(cfg: MasterConfig, worker: PolicyWorker, *, seed: int) -> Gene
     )
 
 
-def build_policy(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> tuple[Policy, GenerationBackend]:
-    """The policy and its generation backend: in this process, or on Ray when the layout asks for it.
+def build_policy(
+    cfg: MasterConfig, layout: ResourceLayout, *, seed: int, keep_reference: bool
+) -> tuple[Policy, GenerationBackend]:
+    """The policy and its generation backend: in this process, or on Ray when ``layout`` asks for it.
 
     The caller owns what this starts: ``policy.close()`` stops the Ray actors (a no-op in-process).
     """
-    if not uses_ray(cfg):
+    if not uses_ray(cfg, layout=layout):
         worker = build_worker(cfg, seed=seed, keep_reference=keep_reference)
         return worker, build_backend(cfg, worker, seed=seed)
     from rlfleet.distributed.ray_policy import RayGeneration, RayPolicy, RayRuntime  # the ray extra
 
-    layout, _ = compute_layout(cfg)
-    p, c = cfg.policy, cfg.cluster
+    policy_cfg, cluster = cfg.policy, cfg.cluster
     source = model_source(cfg)
     runtime = RayRuntime(
         layout,
         source,
         optimizer_settings(cfg),
         ShardingSettings(
-            p.dtensor_cfg.tensor_parallel_size,
-            p.dtensor_cfg.activation_checkpointing,
+            policy_cfg.dtensor_cfg.tensor_parallel_size,
+            policy_cfg.dtensor_cfg.activation_checkpointing,
             lora=lora_settings(cfg),
         ),
-        generation_batch_size=p.generation.batch_size,
-        vllm=ray_vllm_settings(cfg, seed) if p.generation.backend == "vllm" else None,
+        generation_batch_size=policy_cfg.generation.batch_size,
+        vllm=ray_vllm_settings(cfg, seed) if policy_cfg.generation.backend == "vllm" else None,
         keep_reference=keep_reference,
         seed=seed,
-        call_timeout_s=c.call_timeout_s,
-        placement_timeout_s=c.placement_timeout_s,
+        call_timeout_s=cluster.call_timeout_s,
+        placement_timeout_s=cluster.placement_timeout_s,
     )
     try:
-        backend = RayGeneration(runtime, c.generation_retries)
+        backend = RayGeneration(runtime, cluster.generation_retries)
         return RayPolicy(runtime, source.load_tokenizer(), keep_reference), backend
     except BaseException:
         runtime.close()
         raise
 
 
-def build_verifier(cfg: MasterConfig) -> ScoringPool:
+def build_verifier(cfg: MasterConfig, layout: ResourceLayout) -> ScoringPool:
     """The reward workers, ``env.math.num_workers`` of them, each response bounded by ``timeout_s``.
 
     Ray actors (restarted when they die) when the run is on Ray, else local processes. The caller owns
     them: ``close()`` (or a ``with`` block) stops them.
     """
-    m = cfg.env.math
-    if uses_ray(cfg):
+    math_env = cfg.env.math
+    if uses_ray(cfg, layout=layout):
         from rlfleet.rewards.ray_pool import RayVerifierPool  # the ray extra
 
         # Reward checks are short CPU bursts between the model phases: they reserve no CPU, so they never
         # wait behind the bundles the training and generation workers hold.
-        return RayVerifierPool(m.reward_fn, m.num_workers, m.timeout_s, num_cpus=0)
-    return VerifierPool(m.reward_fn, m.num_workers, m.timeout_s)
+        return RayVerifierPool(math_env.reward_fn, math_env.num_workers, math_env.timeout_s, num_cpus=0)
+    return VerifierPool(math_env.reward_fn, math_env.num_workers, math_env.timeout_s)
 
 
 def prompt_budget(cfg: MasterConfig) -> int:
@@ -252,11 +262,104 @@ def micro_batching(cfg: MasterConfig, pass_: Pass) -> MicroBatching:
     return MicroBatching(rows, tokens, round_to=p.dynamic_batching.sequence_length_round)
 
 
-def flop_meter(cfg: MasterConfig, policy: Policy) -> FlopMeter | None:
+def flop_meter(cfg: MasterConfig, policy: Policy, layout: ResourceLayout | None = None) -> FlopMeter | None:
     """The MFU meter of a run on GPUs whose peak is known (None on CPUs: no meaningful peak)."""
     peak = peak_flops(policy.accelerator_name(), 32 if cfg.policy.precision == "float32" else 16)
     if peak is None:
         return None
     with torch.device("meta"):  # the shape only: no memory, no weights read
         model = AutoModelForCausalLM.from_config(model_source(cfg).load_config())
-    return FlopMeter(shape_from_config(model), peak, compute_layout(cfg)[0].train_world)
+    world = (layout or resource_layout(cfg)).train_world
+    return FlopMeter(shape_from_config(model), peak, world)
+
+
+def loss_fn_from_config(cfg: MasterConfig) -> ClippedPGLossFn:
+    """GRPO's loss as ``loss_fn`` configures it (the truncation type resolved as ``validate`` prints it)."""
+    loss = cfg.loss_fn
+    return ClippedPGLossFn(
+        eps_low=loss.ratio_clip_min,
+        eps_high=loss.ratio_clip_max,
+        dual_clip_c=loss.ratio_clip_c,
+        kl_penalty=loss.reference_policy_kl_penalty,
+        kl_type=loss.reference_policy_kl_type,
+        use_on_policy_kl_approximation=loss.use_on_policy_kl_approximation,
+        kl_input_clamp=loss.kl_input_clamp_value,
+        kl_output_clamp=loss.kl_output_clamp_value,
+        token_level=loss.token_level_loss,
+        importance_sampling_correction=loss.use_importance_sampling_correction,
+        truncation=truncation_type(loss),
+        truncation_ratio_max=loss.truncated_importance_sampling_ratio,
+        truncation_ratio_min=loss.truncated_importance_sampling_ratio_min,
+        sequence_level_ratios=loss.sequence_level_importance_ratios,
+        max_length=cfg.policy.generation.max_new_tokens if loss.max_length_normalization else None,
+    )
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """What a GRPO run does, resolved once from the config (the loop reads these, never ``cfg`` sections).
+
+    Attributes:
+        loss_fn: The clipped policy-gradient loss.
+        group_size: ``G``, responses per prompt.
+        prompts_per_round: Prompts each generation round draws (DAPO's ``batch_multiplier`` applied).
+        dynamic_sampling: DAPO's ``(target groups, most rounds)``, or None.
+        shaping: DAPO's overlong reward shaping, or None.
+        sampling: Sampling of the training rollouts.
+        validation_sampling: Sampling of validation (greedy unless ``grpo.val_greedy=false``).
+        train_batching: How the training pass splits its rows.
+        logprob_batching: How the logprob passes split their rows.
+        data_parallel: Training ranks that split a global batch.
+        max_trajectory_age: Asynchronous GRPO's age bound, or None when synchronous.
+    """
+
+    loss_fn: ClippedPGLossFn
+    group_size: int
+    prompts_per_round: int
+    dynamic_sampling: tuple[int, int] | None
+    shaping: OverlongShaping | None
+    sampling: SamplingParams
+    validation_sampling: SamplingParams
+    train_batching: MicroBatching
+    logprob_batching: MicroBatching
+    data_parallel: int
+    max_trajectory_age: int | None
+
+
+def grpo_settings(cfg: MasterConfig, layout: ResourceLayout) -> GRPOSettings:
+    grpo, generation = cfg.grpo, cfg.policy.generation
+    shaping = grpo.reward_shaping
+    dynamic = grpo.use_dynamic_sampling
+    return GRPOSettings(
+        loss_fn=loss_fn_from_config(cfg),
+        group_size=grpo.num_generations_per_prompt,
+        prompts_per_round=(
+            int(grpo.num_prompts_per_step * grpo.batch_multiplier) if dynamic else grpo.num_prompts_per_step
+        ),
+        dynamic_sampling=(grpo.num_prompts_per_step, grpo.dynamic_sampling_max_gen_batches)
+        if dynamic
+        else None,
+        shaping=(
+            OverlongShaping(
+                shaping.max_response_length or generation.max_new_tokens,
+                shaping.overlong_buffer_length,
+                shaping.overlong_buffer_penalty,
+            )
+            if shaping.enabled
+            else None
+        ),
+        sampling=SamplingParams(
+            generation.max_new_tokens, generation.temperature, generation.top_p, generation.top_k
+        ),
+        validation_sampling=SamplingParams(
+            generation.max_new_tokens,
+            generation.temperature,
+            generation.top_p,
+            generation.top_k,
+            greedy=grpo.val_greedy,
+        ),
+        train_batching=micro_batching(cfg, "train"),
+        logprob_batching=micro_batching(cfg, "logprob"),
+        data_parallel=layout.train_dp,
+        max_trajectory_age=grpo.async_grpo.max_trajectory_age_steps if grpo.async_grpo.enabled else None,
+    )

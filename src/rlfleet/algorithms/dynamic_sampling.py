@@ -22,13 +22,14 @@ from typing import Generic, TypeVar
 
 import torch
 
+from rlfleet.algorithms.advantages import flat_groups
+
 T = TypeVar("T")
 
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """``[P]`` bool: the groups (``group_size`` contiguous rewards each) whose rewards are not all equal."""
-    grouped = rewards.reshape(-1, group_size)
-    return grouped.max(dim=1).values != grouped.min(dim=1).values
+    return ~flat_groups(rewards, group_size)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,14 @@ class SampledGroups(Generic[T]):
     groups_kept: int
     groups_discarded: int
     filled: bool
+
+    @classmethod
+    def one_round(cls, samples: list[T], group_size: int) -> SampledGroups[T]:
+        """Every group of one round kept, informative or not (plain GRPO, no dynamic sampling)."""
+        groups = len(samples) // group_size
+        return cls(
+            samples, rounds=1, prompts_drawn=groups, groups_kept=groups, groups_discarded=0, filled=True
+        )
 
     def metrics(self, prefix: str = "train/dynamic_sampling_") -> dict[str, float]:
         return {

@@ -24,6 +24,7 @@ from rlfleet.algorithms.rollouts import (
     sample_and_score,
 )
 from rlfleet.config import MasterConfig
+from rlfleet.config.layout import resource_layout
 from rlfleet.data import Prompt, load_task
 from rlfleet.generation import GenerationBackend, SamplingParams
 from rlfleet.rewards import ScoringPool
@@ -109,7 +110,8 @@ def run_eval(cfg: MasterConfig, checkpoint: Path | None = None) -> EvalReport:
     start = time.perf_counter()
     e, gen = cfg.eval, cfg.policy.generation
     examples = load_task(cfg.data)  # every data row checked before the model loads
-    policy, backend = build_policy(cfg, seed=e.seed, keep_reference=False)
+    layout = resource_layout(cfg)
+    policy, backend = build_policy(cfg, layout, seed=e.seed, keep_reference=False)
     try:
         if checkpoint is not None:
             policy.load_weights(checkpoint)
@@ -117,7 +119,7 @@ def run_eval(cfg: MasterConfig, checkpoint: Path | None = None) -> EvalReport:
         prompts = load_prompts(cfg, policy.tokenizer, e.max_val_samples or 10**9, examples).val
         n, greedy = e.num_tests_per_prompt, e.num_tests_per_prompt == 1
         params = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k, greedy=greedy)
-        with build_verifier(cfg) as verifier:
+        with build_verifier(cfg, layout) as verifier:
             rollouts, _ = sample_and_score(backend, prompts, verifier, n, params, e.seed)
     finally:
         policy.close()

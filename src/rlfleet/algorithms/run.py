@@ -17,6 +17,7 @@ from typing import Any
 from rlfleet.algorithms.builders import TaskData, build_policy, build_verifier, load_prompts
 from rlfleet.checkpoint import CheckpointManager
 from rlfleet.config import MasterConfig, config_to_yaml
+from rlfleet.config.layout import ResourceLayout
 from rlfleet.data import ResumableLoader, load_task
 from rlfleet.generation import GenerationBackend
 from rlfleet.logging import MetricsLogger, Progress, format_step_line, plot_run, read_metrics
@@ -39,7 +40,7 @@ class RunContext:
     """The live objects of a run, shared by the SFT and GRPO loops."""
 
     cfg: MasterConfig
-    worker: Policy
+    policy: Policy  # in-process worker, or the driver's handle on Ray actors
     loader: ResumableLoader[Any]
     logger: MetricsLogger
     checkpoints: CheckpointManager | None
@@ -47,29 +48,20 @@ class RunContext:
     total_steps: int
     step: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
-    # Set while the loader has run ahead for a prefetched (asynchronous) batch: the position a checkpoint
-    # records, so a resumed run draws that batch's prompts again.
-    loader_state_before_prefetch: dict[str, Any] | None = None
 
-    def loader_state(self) -> dict[str, Any]:
-        """The dataloader position a checkpoint of the current step records."""
-        if self.loader_state_before_prefetch is not None:
-            return self.loader_state_before_prefetch
-        return self.loader.state_dict()
-
-    def training_info(self, step_metrics: dict[str, float]) -> dict[str, Any]:
+    def training_info(self, step_metrics: dict[str, float], loader_state: dict[str, Any]) -> dict[str, Any]:
         """Counters, the latest value of every metric (ranks checkpoints), and this step's log record.
 
         ``step_metrics`` is the exact record for this step, so a run killed between writing the checkpoint
         and appending to ``metrics.jsonl`` gets the line back on resume.
         """
         kept = {k: v for k, v in self.last_metrics.items() if not k.startswith(MACHINE_METRICS)}
-        return {"step": self.step, "epoch": self.loader_state()["epoch"], **kept, STEP_RECORD: step_metrics}
+        return {"step": self.step, "epoch": loader_state["epoch"], **kept, STEP_RECORD: step_metrics}
 
 
 def make_context(
     cfg: MasterConfig,
-    worker: Policy,
+    policy: Policy,
     verifier: ScoringPool,
     items: Sequence[Any],
     batch_size: int,
@@ -80,8 +72,8 @@ def make_context(
 ) -> RunContext:
     """Creates the loader, logger and checkpoint manager, then resumes from the newest checkpoint.
 
-    The context owns ``worker`` and ``verifier`` from here: :func:`run_loop` closes them at the end. When
-    this raises, the logger it started is closed; ``worker`` and ``verifier`` stay the caller's to close.
+    The context owns ``policy`` and ``verifier`` from here: :func:`run_loop` closes them at the end. When
+    this raises, the logger it started is closed; ``policy`` and ``verifier`` stay the caller's to close.
     """
     loader = ResumableLoader(items, batch_size, shuffle=cfg.data.shuffle, seed=seed)
     total = min(max_num_steps, max_num_epochs * loader.batches_per_epoch)
@@ -92,7 +84,7 @@ def make_context(
         else None
     )
     logger = MetricsLogger.from_config(lg, run_config=cfg.model_dump(mode="json"))
-    ctx = RunContext(cfg, worker, loader, logger, checkpoints, verifier, total_steps=total)
+    ctx = RunContext(cfg, policy, loader, logger, checkpoints, verifier, total_steps=total)
     try:
         resume(ctx)
     except BaseException:
@@ -103,6 +95,7 @@ def make_context(
 
 def start_run(
     cfg: MasterConfig,
+    layout: ResourceLayout,
     *,
     seed: int,
     keep_reference: bool,
@@ -119,9 +112,9 @@ def start_run(
     """
     examples = load_task(cfg.data)  # every data row checked before anything expensive starts
     with ExitStack() as started:
-        policy, backend = build_policy(cfg, seed=seed, keep_reference=keep_reference)
+        policy, backend = build_policy(cfg, layout, seed=seed, keep_reference=keep_reference)
         started.callback(policy.close)
-        verifier = build_verifier(cfg)
+        verifier = build_verifier(cfg, layout)
         started.callback(verifier.close)
         data = load_prompts(cfg, policy.tokenizer, max_val_samples, examples)
         ctx = make_context(
@@ -150,7 +143,7 @@ def resume(ctx: RunContext) -> None:
         ctx.logger.truncate_after(-1)  # a run killed before its first checkpoint starts over cleanly
         return
     info = ctx.checkpoints.load_training_info(path)
-    ctx.worker.load(path)
+    ctx.policy.load(path)
     ctx.loader.load_state_dict(ctx.checkpoints.load_dataloader_state(path))
     ctx.checkpoints.restore_rng(path)
     ctx.step = int(info["step"])
@@ -161,16 +154,19 @@ def resume(ctx: RunContext) -> None:
     log.info("resumed from %s (step %d)", path, ctx.step)
 
 
-def save_checkpoint(ctx: RunContext, step_metrics: dict[str, float]) -> Path | None:
-    """Writes ``step_N`` for the current step (no-op when checkpointing is disabled)."""
+def save_checkpoint(
+    ctx: RunContext, step_metrics: dict[str, float], loader_state: dict[str, Any]
+) -> Path | None:
+    """Writes ``step_N`` for the current step (no-op when checkpointing is disabled); ``loader_state`` is
+    the dataloader position a resumed run restarts from."""
     if ctx.checkpoints is None:
         return None
     return ctx.checkpoints.save(
         ctx.step,
         config_yaml=config_to_yaml(ctx.cfg),
-        training_info=ctx.training_info(step_metrics),
-        dataloader_state=ctx.loader_state(),
-        write_policy=ctx.worker.save,
+        training_info=ctx.training_info(step_metrics, loader_state),
+        dataloader_state=loader_state,
+        write_policy=ctx.policy.save,
     )
 
 
@@ -192,11 +188,15 @@ def run_loop(
     val_period: int,
     val_at_start: bool,
     val_at_end: bool,
+    loader_state: Callable[[], dict[str, Any]] | None = None,
 ) -> dict[str, float]:
     """Drives ``step_fn`` from the resumed step to ``total_steps``: validate, checkpoint, log, plot.
 
-    Returns the metrics of the last step (validation included when it ran).
+    ``loader_state`` gives the dataloader position a checkpoint records (default: the loader's own; a loop
+    whose loader runs ahead, as asynchronous GRPO's, gives the position before it did). Returns the metrics
+    of the last step (validation included when it ran).
     """
+    checkpoint_loader_state = loader_state or ctx.loader.state_dict
     with closing_run(ctx):
         if ctx.step >= ctx.total_steps:
             log.info("%s: already complete at step %d/%d; nothing to do", name, ctx.step, ctx.total_steps)
@@ -214,7 +214,7 @@ def run_loop(
             ctx.last_metrics = {**ctx.last_metrics, **metrics}
             if should_checkpoint(ctx):
                 start = time.perf_counter()
-                save_checkpoint(ctx, dict(metrics))
+                save_checkpoint(ctx, dict(metrics), checkpoint_loader_state())
                 metrics["timing/checkpoint"] = time.perf_counter() - start
             ctx.logger.log(ctx.step, metrics)
             progress.update()
@@ -234,6 +234,6 @@ def closing_run(ctx: RunContext) -> Iterator[None]:
     finally:
         try:
             ctx.verifier.close()
-            ctx.worker.close()
+            ctx.policy.close()
         finally:
             ctx.logger.close(failed=failed)

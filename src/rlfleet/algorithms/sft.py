@@ -15,6 +15,7 @@ from rlfleet.algorithms.builders import micro_batching
 from rlfleet.algorithms.evaluation import evaluate
 from rlfleet.algorithms.run import RunContext, run_loop, start_run, step_seed
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
+from rlfleet.config.layout import resource_layout
 from rlfleet.data import Prompt, response_target
 from rlfleet.generation import GenerationBackend, SamplingParams
 from rlfleet.policy.batch import TrainBatch, collate
@@ -32,16 +33,18 @@ class SFT:
     """Supervised fine-tuning: ``SFT(cfg).train()`` runs (or resumes) the configured job."""
 
     backend: GenerationBackend
-    ctx: RunContext  # the policy (``ctx.worker``), the reward workers, the loader, logger and checkpoints
+    ctx: RunContext  # the policy (``ctx.policy``), the reward workers, the loader, logger and checkpoints
 
     def __init__(self, cfg: MasterConfig) -> None:
-        check_config(cfg, "sft")
-        ensure_runnable(cfg)
+        layout = resource_layout(cfg)  # computed once for the checks and the run
+        check_config(cfg, "sft", layout=layout)
+        ensure_runnable(cfg, layout=layout)
         self.cfg, s = cfg, cfg.sft
         self.loss_fn = NLLLossFn(token_level=cfg.loss_fn.token_level_loss)
         self.train_batching = micro_batching(cfg, "train")  # rows, dynamic batching or packing
         self.ctx, self.backend, self.data = start_run(
             cfg,
+            layout,
             seed=s.seed,
             keep_reference=False,
             max_val_samples=s.max_val_samples,
@@ -51,10 +54,10 @@ class SFT:
         )
 
     def step(self) -> dict[str, float]:
-        worker, timer = self.ctx.worker, PhaseTimer()
-        batch = sft_batch(self.ctx.loader.next_batch(), worker.tokenizer, worker.tokenizer.pad_token_id)
+        policy, timer = self.ctx.policy, PhaseTimer()
+        batch = sft_batch(self.ctx.loader.next_batch(), policy.tokenizer, policy.tokenizer.pad_token_id)
         with timer("training"):
-            train = worker.train(
+            train = policy.train(
                 batch, self.loss_fn, global_batch_size=len(batch), micro_batch_size=self.train_batching
             )
         metrics = {f"train/{k}": v for k, v in train.items()}
