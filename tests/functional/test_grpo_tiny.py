@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from rlfleet.algorithms.grpo import GRPO
-from rlfleet.distributed.parallelize import is_checkpointed
 from rlfleet.logging import read_metrics
 from rlfleet.policy.batch import collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
+from rlfleet.policy.parallelize import is_checkpointed
 from tests.conftest import comparable_metrics, kill_in_step, small_grpo_config
 
 DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"

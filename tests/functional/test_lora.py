@@ -17,13 +17,14 @@ from rlfleet.algorithms.grpo import GRPO
 from rlfleet.checkpoint import CheckpointError, export_hf
 from rlfleet.cli import main
 from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
-from rlfleet.distributed.parallelize import is_checkpointed
-from rlfleet.distributed.sharded_worker import ShardedPolicyWorker, ShardingSettings
 from rlfleet.distributed.worker_group import RayWorkerGroup
 from rlfleet.generation import HFGenerationBackend
 from rlfleet.generation.interface import SamplingParams
+from rlfleet.generation.weights import engine_state
 from rlfleet.models.loading import ModelSource
-from rlfleet.models.lora import LoRALinear, LoraSettings, LoraTargetError, WithoutAdapters, merged_state_dict
+from rlfleet.models.lora import LoRALinear, LoraSettings, LoraTargetError, WithoutAdapters
+from rlfleet.policy.parallelize import is_checkpointed
+from rlfleet.policy.sharded_worker import ShardedPolicyWorker, ShardingSettings
 from rlfleet.policy.worker import PolicyWorker
 from tests.conftest import TEST_OPTIMIZER, kill_in_step, pg_loss, small_grpo_config, worker_batch
 
@@ -128,7 +129,7 @@ def test_in_process_generation_uses_the_adapters_and_merged_weights_match_it(tin
     adapted = _generate(worker.model, worker, prompts)  # the HF backend shares the trainer's module
     plain = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     base = _generate(plain, worker, prompts)
-    plain.load_state_dict(merged_state_dict(worker.model))
+    plain.load_state_dict(engine_state(worker.model))
     assert _generate(plain, worker, prompts) == adapted != base
     ids = torch.tensor([prompts[0]])
     with torch.no_grad():
@@ -245,7 +246,7 @@ def test_two_rank_fsdp_lora_equals_one_process_and_refits_merged_weights(
     single.train(batch, loss, global_batch_size=4, micro_batch_size=1)  # A moves once B is non-zero
     expected_ref = single.logprobs(batch, 2, reference=True)
     want_tokens = _generate(single.model, single, prompts)
-    want_state = merged_state_dict(single.model)
+    want_state = engine_state(single.model)
     groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
     sharding = ShardingSettings(generation_batch_size=8, lora=LORA)
     init = {
@@ -259,8 +260,8 @@ def test_two_rank_fsdp_lora_equals_one_process_and_refits_merged_weights(
         metrics = group.run_all("train", batch, loss, global_batch_size=4, micro_batch_size=1)
         group.run_all("train", batch, loss, global_batch_size=4, micro_batch_size=1)
         ref = group.run_all("logprobs", batch, 2, reference=True)
-        state = group.run_all("generation_state_dict")[0]
-        group.run_all("refit_colocated")
+        state = group.run_all("engine_state")[0]
+        group.run_all("refit")
         out = group.run_all("generate_rows", prompts, GREEDY, [0] * len(prompts))
     finally:
         group.shutdown()

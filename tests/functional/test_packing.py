@@ -178,8 +178,8 @@ def test_two_rank_packed_step_equals_one_padded_process(
     one packed step equals one padded step in one process. Tensor parallelism 2: both ranks pack the same
     rows, attention heads split between them."""
     from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
-    from rlfleet.distributed.sharded_worker import ShardedPolicyWorker, ShardingSettings
     from rlfleet.distributed.worker_group import RayWorkerGroup
+    from rlfleet.policy.sharded_worker import ShardedPolicyWorker, ShardingSettings
 
     model_dir = request.getfixturevalue(
         "tiny_tp_model_dir" if tensor_parallel_size == 2 else "tiny_model_dir"

@@ -16,9 +16,9 @@ from rlfleet.distributed.cluster import (
     create_node_placement_groups,
     remove_placement_groups,
 )
-from rlfleet.distributed.sharded_worker import ShardedPolicyWorker
 from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError
 from rlfleet.models.loading import ModelSource
+from rlfleet.policy.sharded_worker import ShardedPolicyWorker
 from rlfleet.policy.worker import PolicyWorker
 from tests.conftest import TEST_OPTIMIZER, pg_loss, worker_batch
 

@@ -26,12 +26,12 @@ from rlfleet.data import (
     load_task,
     resolve_system_prompt,
 )
-from rlfleet.distributed.sharded_worker import ShardingSettings
 from rlfleet.generation import GenerationBackend, HFGenerationBackend, VLLMGenerationBackend, VLLMSettings
 from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import LoraSettings
 from rlfleet.policy.interface import Policy
 from rlfleet.policy.microbatch import MicroBatching
+from rlfleet.policy.sharded_worker import ShardingSettings
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
 from rlfleet.rewards import ScoringPool, VerifierPool
 from rlfleet.utils.flops import FlopMeter, peak_flops, shape_from_config
@@ -147,7 +147,8 @@ def build_policy(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> tuple
     if not uses_ray(cfg):
         worker = build_worker(cfg, seed=seed, keep_reference=keep_reference)
         return worker, build_backend(cfg, worker, seed=seed)
-    from rlfleet.distributed.ray_policy import RayGeneration, RayPolicy, RayRuntime  # the ray extra
+    from rlfleet.distributed.ray_generation import RayGeneration  # the ray extra
+    from rlfleet.distributed.ray_policy import RayPolicy, RayRuntime
 
     layout, _ = compute_layout(cfg)
     p, c = cfg.policy, cfg.cluster

@@ -4,20 +4,28 @@ Two classes implement it structurally: :class:`~rlfleet.policy.worker.PolicyWork
 process) and :class:`~rlfleet.distributed.ray_policy.RayPolicy` (the sharded training ranks on Ray, seen
 as one). The loops (SFT, GRPO, ``rlfleet eval``) are typed against :class:`Policy` and the generation
 side's :class:`~rlfleet.generation.GenerationBackend`, so they never learn which one they drive.
+:data:`LossFn` is what they hand :meth:`Policy.train`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import torch
+
+from rlfleet.policy.batch import TrainBatch
+from rlfleet.policy.loss import Normalizer
+
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedTokenizerBase
 
-    from rlfleet.policy.batch import TrainBatch
     from rlfleet.policy.microbatch import MicroBatching
-    from rlfleet.policy.worker import LossFn
+
+LossFn = Callable[[torch.Tensor, TrainBatch, Normalizer], tuple[torch.Tensor, dict[str, float]]]
+"""A loss over one micro-batch: ``(token logprobs [n, T], micro-batch, global normaliser) -> (loss,
+metrics)``; the metrics are summed over micro-batches (``rlfleet.policy.loss_functions``)."""
 
 
 @runtime_checkable

@@ -21,6 +21,7 @@ from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import LoraSettings, WithoutAdapters
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.build import PolicyModels, build_policy_models, compute_autocast, require_master_dtype
+from rlfleet.policy.interface import LossFn
 from rlfleet.policy.logprobs import batch_logprobs, forward_logprobs
 from rlfleet.policy.loss import Normalizer
 from rlfleet.policy.microbatch import (
@@ -30,8 +31,6 @@ from rlfleet.policy.microbatch import (
     plan_micro_batches,
     row_lengths,
 )
-
-LossFn = Callable[[torch.Tensor, TrainBatch, Normalizer], tuple[torch.Tensor, dict[str, float]]]
 
 
 @dataclass(frozen=True)
