@@ -93,7 +93,7 @@ def test_micro_batch_1_x_8_equals_8_x_1(tiny_model_dir: Path, tmp_path: Path, to
             prev_logprobs=prev - 0.05,
             ref_logprobs=prev + 0.1,
         )
-        metrics = worker.train(batch, loss, global_batch_size=8, micro_batch_size=micro)
+        metrics = worker.train(batch, loss, global_batch_size=8, micro_batching=micro)
         results.append((metrics, {n: p.detach().clone() for n, p in worker.model.named_parameters()}))
     (m1, p1), (m8, p8) = results
     assert m1["loss"] == pytest.approx(m8["loss"], rel=1e-5, abs=1e-7)

@@ -73,7 +73,7 @@ def _logprob_error(
     """Largest |engine logprob - trainer logprob| over the sampled response tokens."""
     responses = [r.token_ids for r in results]
     batch = collate(prompts, responses, worker.tokenizer.pad_token_id, [r.logprobs for r in results])
-    trainer = worker.logprobs(batch, micro_batch_size=8, temperature=temperature)
+    trainer = worker.logprobs(batch, micro_batching=8, temperature=temperature)
     return float(((trainer - batch.generation_logprobs).abs() * batch.response_mask).max())
 
 

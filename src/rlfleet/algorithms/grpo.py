@@ -310,7 +310,7 @@ class GRPO:
                 batch,
                 loss_fn,
                 global_batch_size=global_batch,
-                micro_batch_size=self.train_batching,
+                micro_batching=self.train_batching,
                 temperature=temperature,
             )
         return train

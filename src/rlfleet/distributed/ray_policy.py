@@ -206,13 +206,13 @@ class RayPolicy:
     def logprobs(
         self,
         batch: TrainBatch,
-        micro_batch_size: int | MicroBatching,
+        micro_batching: MicroBatching | int,
         *,
         reference: bool = False,
         temperature: float = 1.0,
     ) -> torch.Tensor:
         logprobs: torch.Tensor = self._run(
-            "logprobs", batch, micro_batch_size, reference=reference, temperature=temperature
+            "logprobs", batch, micro_batching, reference=reference, temperature=temperature
         )[0]
         return logprobs
 
@@ -222,7 +222,7 @@ class RayPolicy:
         loss_fn: LossFn,
         *,
         global_batch_size: int,
-        micro_batch_size: int | MicroBatching,
+        micro_batching: MicroBatching | int,
         temperature: float = 1.0,
     ) -> dict[str, float]:
         metrics: dict[str, float] = self._run(
@@ -230,7 +230,7 @@ class RayPolicy:
             batch,
             loss_fn,
             global_batch_size=global_batch_size,
-            micro_batch_size=micro_batch_size,
+            micro_batching=micro_batching,
             temperature=temperature,
         )[0]
         return metrics

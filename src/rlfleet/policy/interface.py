@@ -49,14 +49,15 @@ class Policy(Protocol):
     def logprobs(
         self,
         batch: TrainBatch,
-        micro_batch_size: int | MicroBatching,
+        micro_batching: MicroBatching | int,
         *,
         reference: bool = False,
         temperature: float = 1.0,
     ) -> torch.Tensor:
         """``[B, T]`` token logprobs of the policy (or of the frozen reference) over ``batch``.
 
-        ``micro_batch_size``: rows per forward pass, or a ``MicroBatching`` (dynamic batching / packing)."""
+        ``micro_batching``: how the rows go through the model, a ``MicroBatching`` (fixed rows, dynamic
+        batching or packing) or a row count (fixed micro-batches of that many rows)."""
         ...
 
     def train(
@@ -65,7 +66,7 @@ class Policy(Protocol):
         loss_fn: LossFn,
         *,
         global_batch_size: int,
-        micro_batch_size: int | MicroBatching,
+        micro_batching: MicroBatching | int,
         temperature: float = 1.0,
     ) -> dict[str, float]:
         """One optimizer step per ``global_batch_size`` rows of ``batch``; metrics averaged over steps."""

@@ -139,18 +139,18 @@ class ShardedPolicyWorker(TrainablePolicy):
     def logprobs(
         self,
         batch: TrainBatch,
-        micro_batch_size: int | MicroBatching,
+        micro_batching: MicroBatching | int,
         *,
         reference: bool = False,
         temperature: float = 1.0,
     ) -> torch.Tensor:
         """``[B, T]`` token logprobs of the whole ``batch``: each rank computes its rows (as many forward
-        passes on every rank, however ``micro_batch_size`` plans them), then all gather."""
+        passes on every rank, however ``micro_batching`` plans them), then all gather."""
         model = self._scoring_model(reference)
         self._check_divisible("logprob batch", len(batch))
         start = time.perf_counter()
         with self._compute():
-            mine = batch_logprobs(model, batch, micro_batch_size, temperature, self.dp_size, self.dp_rank)
+            mine = batch_logprobs(model, batch, micro_batching, temperature, self.dp_size, self.dp_rank)
         self.busy_seconds += time.perf_counter() - start
         parts = [torch.empty_like(mine).to(self.device) for _ in range(self.dp_size)]
         dist.all_gather(parts, mine.to(self.device), group=self.dp_group)
