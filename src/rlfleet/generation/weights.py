@@ -3,22 +3,25 @@
 What an engine loads is always the same: ``engine_state``, the trainer's full float32 weights with any LoRA
 adapters merged into their base weights (base names only), cast to the engine's dtype and grouped into
 buckets of at most ``BUCKET_BYTES`` (``bucket_runs``, the one grouping rule: consecutive tensors in transfer
-order; a single larger tensor is a bucket of its own). Every path ends in the engine's ``load_buckets``:
+order, the state's own in process and colocated, sorted by name on the dedicated path; a single larger
+tensor is a bucket of its own). Every path ends in the engine's ``load_buckets``:
 the HF engine copies each tensor into its module in place, the vLLM engine writes each bucket to a
 safetensors file and reloads them all (:mod:`rlfleet.generation.vllm`). Three transports take them there::
 
-  1. in process        trainer model ──engine_state──buckets──▶ VLLMGenerationBackend.load_buckets
-     (refit)           (an HF backend samples with the trainer's own module: its refit moves nothing)
+  1. in process (GenerationBackend.refit, after every optimizer step)
+       trainer model --engine_state--> buckets --> VLLMGenerationBackend.load_buckets
+       (HFGenerationBackend samples with the trainer's own module: nothing moves)
 
-  2. Ray, colocated    every training rank: FSDP2 shards ──gather──engine_state─┐
-     (RayGeneration    ShardedPolicyWorker.refit                                 ▼
-      .refit)          GenerationWorker.update_weights (the ranks hosting an engine)
-                                              ──buckets──▶ engine.load_buckets
+  2. Ray, colocated (RayGeneration.refit --> ShardedPolicyWorker.refit on every training rank)
+       FSDP2 shards --gather (all ranks)--> engine_state --> GenerationWorker.update_weights
+         --> buckets --> backend.load_buckets                 (on the ranks that host an engine)
 
-  3. Ray, dedicated    training rank 0 (ShardedPolicyWorker)     generation ranks 1..N (GenerationWorker)
-     (RayGeneration    broadcast_weights(spec):                   broadcast_weights(spec):
-      .refit)            gather──engine_state──buckets             RefitGroup.receive──▶ engine.load_buckets
-                         ──▶ RefitGroup.send ══ one flat tensor per bucket, broadcast from rank 0 ══▶
+  3. Ray, dedicated (RayGeneration: weight_spec + join_refit_group once, then broadcast_weights)
+       training rank 0, ShardedPolicyWorker.broadcast_weights(spec):
+         FSDP2 shards --gather (all ranks)--> engine_state --> buckets --> RefitGroup.send
+                                                                             || one flat tensor per
+       generation ranks 1..N, GenerationWorker.broadcast_weights(spec):      ||  bucket (NCCL/gloo)
+         backend.load_buckets <-- RefitGroup.receive <=========================
 
 The vocabulary, the same on every class that takes part:
 
