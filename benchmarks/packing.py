@@ -108,7 +108,7 @@ def run(
     def train(batching: MicroBatching) -> None:
         worker.model.load_state_dict(weights)
         worker.optimizer.load_state_dict(optimizer)
-        worker.train(batch, LOSS, global_batch_size=len(batch), micro_batch_size=batching)
+        worker.train(batch, LOSS, global_batch_size=len(batch), micro_batching=batching)
 
     times: dict[str, dict[str, list[float]]] = {name: {"logprobs": [], "train": []} for name in layouts}
     for round_ in range(repeats + 1):

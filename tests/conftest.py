@@ -76,7 +76,7 @@ def worker_batch(worker: Any, noise: float = 0.0) -> TrainBatch:
     prompts = [torch.randint(3, vocab - 1, (n,), generator=gen).tolist() for n in (5, 3, 6, 4)]
     responses = [torch.randint(3, vocab - 1, (n,), generator=gen).tolist() for n in (4, 7, 2, 5)]
     batch = collate(prompts, responses, pad_token_id=0)
-    lp = worker.logprobs(batch, micro_batch_size=4)
+    lp = worker.logprobs(batch, micro_batching=4)
     delta = noise * torch.randn(lp.shape, generator=gen) * batch.response_mask if noise else 0.0
     return batch.with_(
         advantages=torch.tensor([1.0, -0.5, 0.7, -1.2]), prev_logprobs=lp + delta, ref_logprobs=lp - delta

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from rlfleet.algorithms.grpo import GRPO
-from rlfleet.distributed.parallelize import is_checkpointed
 from rlfleet.logging import read_metrics
 from rlfleet.policy.batch import collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
+from rlfleet.policy.parallelize import is_checkpointed
 from tests.conftest import comparable_metrics, count_logprob_passes, kill_in_step, small_grpo_config
 
 DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"
@@ -93,7 +93,7 @@ def test_micro_batch_1_x_8_equals_8_x_1(tiny_model_dir: Path, tmp_path: Path, to
             prev_logprobs=prev - 0.05,
             ref_logprobs=prev + 0.1,
         )
-        metrics = worker.train(batch, loss, global_batch_size=8, micro_batch_size=micro)
+        metrics = worker.train(batch, loss, global_batch_size=8, micro_batching=micro)
         results.append((metrics, {n: p.detach().clone() for n, p in worker.model.named_parameters()}))
     (m1, p1), (m8, p8) = results
     assert m1["loss"] == pytest.approx(m8["loss"], rel=1e-5, abs=1e-7)

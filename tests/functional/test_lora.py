@@ -17,13 +17,14 @@ from rlfleet.algorithms.grpo import GRPO
 from rlfleet.checkpoint import CheckpointError, export_hf
 from rlfleet.cli import main
 from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
-from rlfleet.distributed.parallelize import is_checkpointed
-from rlfleet.distributed.sharded_worker import ShardedPolicyWorker, ShardingSettings
 from rlfleet.distributed.worker_group import RayWorkerGroup
 from rlfleet.generation import HFGenerationBackend
 from rlfleet.generation.interface import SamplingParams
+from rlfleet.generation.weights import engine_state
 from rlfleet.models.loading import ModelSource
-from rlfleet.models.lora import LoRALinear, LoraSettings, LoraTargetError, WithoutAdapters, merged_state_dict
+from rlfleet.models.lora import LoRALinear, LoraSettings, LoraTargetError, WithoutAdapters
+from rlfleet.policy.parallelize import is_checkpointed
+from rlfleet.policy.sharded_worker import ShardedPolicyWorker, ShardingSettings
 from rlfleet.policy.worker import PolicyWorker
 from tests.conftest import TEST_OPTIMIZER, kill_in_step, pg_loss, small_grpo_config, worker_batch
 
@@ -74,8 +75,8 @@ def test_only_adapters_train_and_the_optimizer_checkpoint_holds_only_theirs(
     assert all(not p.requires_grad for n, p in model.named_parameters() if n not in adapters)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     batch = worker_batch(worker, noise=0.05)
-    worker.train(batch, pg_loss(0.05), global_batch_size=4, micro_batch_size=2)
-    worker.train(batch, pg_loss(0.05), global_batch_size=4, micro_batch_size=2)
+    worker.train(batch, pg_loss(0.05), global_batch_size=4, micro_batching=2)
+    worker.train(batch, pg_loss(0.05), global_batch_size=4, micro_batching=2)
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed == adapters  # every adapter moved (A once B is non-zero), no base weight did
     worker.save(tmp_path / "step_1")
@@ -91,10 +92,10 @@ def test_reference_is_the_policy_without_adapters_not_a_copy(tiny_model_dir: Pat
     assert worker.has_reference
     plain = PolicyWorker(ModelSource(str(tiny_model_dir)), TEST_OPTIMIZER, keep_reference=False)
     batch = worker_batch(plain)
-    base = plain.logprobs(batch, micro_batch_size=4)
-    torch.testing.assert_close(worker.logprobs(batch, micro_batch_size=4), base, rtol=0, atol=0)  # B = 0
+    base = plain.logprobs(batch, micro_batching=4)
+    torch.testing.assert_close(worker.logprobs(batch, micro_batching=4), base, rtol=0, atol=0)  # B = 0
     _perturb_adapters(worker.model)
-    assert not torch.allclose(worker.logprobs(batch, micro_batch_size=4), base, atol=1e-3)
+    assert not torch.allclose(worker.logprobs(batch, micro_batching=4), base, atol=1e-3)
     worker.model.train()
     torch.testing.assert_close(worker.logprobs(batch, 4, reference=True), base, rtol=0, atol=0)
     assert worker.model.training  # the reference pass left the policy's mode alone
@@ -128,7 +129,7 @@ def test_in_process_generation_uses_the_adapters_and_merged_weights_match_it(tin
     adapted = _generate(worker.model, worker, prompts)  # the HF backend shares the trainer's module
     plain = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     base = _generate(plain, worker, prompts)
-    plain.load_state_dict(merged_state_dict(worker.model))
+    plain.load_state_dict(engine_state(worker.model))
     assert _generate(plain, worker, prompts) == adapted != base
     ids = torch.tensor([prompts[0]])
     with torch.no_grad():
@@ -241,11 +242,11 @@ def test_two_rank_fsdp_lora_equals_one_process_and_refits_merged_weights(
     batch = worker_batch(single, noise=0.05)
     prompts = _prompts(single)
     loss = pg_loss(kl_penalty=0.05)
-    expected = single.train(batch, loss, global_batch_size=4, micro_batch_size=1)
-    single.train(batch, loss, global_batch_size=4, micro_batch_size=1)  # A moves once B is non-zero
+    expected = single.train(batch, loss, global_batch_size=4, micro_batching=1)
+    single.train(batch, loss, global_batch_size=4, micro_batching=1)  # A moves once B is non-zero
     expected_ref = single.logprobs(batch, 2, reference=True)
     want_tokens = _generate(single.model, single, prompts)
-    want_state = merged_state_dict(single.model)
+    want_state = engine_state(single.model)
     groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
     sharding = ShardingSettings(generation_batch_size=8, lora=LORA)
     init = {
@@ -256,11 +257,11 @@ def test_two_rank_fsdp_lora_equals_one_process_and_refits_merged_weights(
     }
     group = RayWorkerGroup(ShardedPolicyWorker, groups, init, timeout_s=TIMEOUT_S)
     try:
-        metrics = group.run_all("train", batch, loss, global_batch_size=4, micro_batch_size=1)
-        group.run_all("train", batch, loss, global_batch_size=4, micro_batch_size=1)
+        metrics = group.run_all("train", batch, loss, global_batch_size=4, micro_batching=1)
+        group.run_all("train", batch, loss, global_batch_size=4, micro_batching=1)
         ref = group.run_all("logprobs", batch, 2, reference=True)
-        state = group.run_all("generation_state_dict")[0]
-        group.run_all("refit_colocated")
+        state = group.run_all("engine_state")[0]
+        group.run_all("refit")
         out = group.run_all("generate_rows", prompts, GREEDY, [0] * len(prompts))
     finally:
         group.shutdown()
@@ -332,7 +333,7 @@ def test_bf16_lora_trains_float32_adapters_and_scores_the_reference_without_them
         worker.logprobs(batch, 4, reference=True), worker.logprobs(batch, 4), rtol=0, atol=0
     )
     before = _snapshot(worker)
-    worker.train(batch, pg_loss(0.05), global_batch_size=4, micro_batch_size=2)
+    worker.train(batch, pg_loss(0.05), global_batch_size=4, micro_batching=2)
     assert all(p.dtype == torch.float32 for p in worker.trainable_parameters())
     after = _snapshot(worker)
     assert set(after) == set(before) and all(v.dtype == torch.float32 for v in after.values())

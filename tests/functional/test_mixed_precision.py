@@ -21,11 +21,11 @@ from rlfleet.algorithms.builders import build_worker
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.checkpoint import export_hf
 from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
-from rlfleet.distributed.sharded_worker import ShardedPolicyWorker
 from rlfleet.distributed.worker_group import RayWorkerGroup
 from rlfleet.logging import read_metrics
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.build import build_policy_models, compute_autocast, require_master_dtype
+from rlfleet.policy.sharded_worker import ShardedPolicyWorker
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker, TrainablePolicy
 from tests.conftest import TEST_OPTIMIZER as SETTINGS
 from tests.conftest import pg_loss, small_grpo_config, worker_batch
@@ -81,7 +81,7 @@ def one_step(worker: TrainablePolicy) -> Step:
     hook = worker.optimizer.register_step_pre_hook(keep_grads)
     try:
         with linear_output_dtypes(worker.model) as seen:
-            worker.train(batch, LOSS, global_batch_size=len(batch), micro_batch_size=2)
+            worker.train(batch, LOSS, global_batch_size=len(batch), micro_batching=2)
     finally:
         hook.remove()
     after = {n: dense(p) for n, p in worker.model.named_parameters()}
@@ -211,13 +211,13 @@ def test_two_rank_fsdp_bf16_step_matches_one_process(ray_cluster: None, tiny_mod
     single = PolicyWorker(source, SETTINGS, keep_reference=False)
     batch = worker_batch(single)
     before = {n: dense(p) for n, p in single.model.named_parameters()}
-    expected = single.train(batch, LOSS, global_batch_size=4, micro_batch_size=1)
+    expected = single.train(batch, LOSS, global_batch_size=4, micro_batching=1)
     groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
     init = {"source": source, "settings": SETTINGS}
     group = RayWorkerGroup(ShardedPolicyWorker, groups, init, timeout_s=120.0)
     try:
         lps = group.run_all("logprobs", batch, 2)
-        metrics = group.run_all("train", batch, LOSS, global_batch_size=4, micro_batch_size=1)
+        metrics = group.run_all("train", batch, LOSS, global_batch_size=4, micro_batching=1)
         state = group.run_all("full_state_dict")[0]
     finally:
         group.shutdown()

@@ -155,8 +155,8 @@ def test_a_packed_training_step_equals_the_padded_one(tiny_model_dir: Path) -> N
     padded, packed = make_worker(tiny_model_dir), make_worker(tiny_model_dir)
     batch = make_batch(padded)
     loss_fn = pg_loss(kl_penalty=0.1)
-    want = padded.train(batch, loss_fn, global_batch_size=4, micro_batch_size=2)
-    got = packed.train(batch, loss_fn, global_batch_size=4, micro_batch_size=LAYOUTS["packed"])
+    want = padded.train(batch, loss_fn, global_batch_size=4, micro_batching=2)
+    got = packed.train(batch, loss_fn, global_batch_size=4, micro_batching=LAYOUTS["packed"])
     for key in ("loss", "kl", "ratio", "grad_norm"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
     assert got["padding_fraction"] == 0.0 < got["padding_fraction_fixed_rows"]
@@ -178,8 +178,8 @@ def test_two_rank_packed_step_equals_one_padded_process(
     one packed step equals one padded step in one process. Tensor parallelism 2: both ranks pack the same
     rows, attention heads split between them."""
     from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
-    from rlfleet.distributed.sharded_worker import ShardedPolicyWorker, ShardingSettings
     from rlfleet.distributed.worker_group import RayWorkerGroup
+    from rlfleet.policy.sharded_worker import ShardedPolicyWorker, ShardingSettings
 
     model_dir = request.getfixturevalue(
         "tiny_tp_model_dir" if tensor_parallel_size == 2 else "tiny_model_dir"
@@ -191,7 +191,7 @@ def test_two_rank_packed_step_equals_one_padded_process(
     assert [len(plan_micro_batches(half, packed)[0]) for half in (lengths[:4], lengths[4:])] == [4, 3]
     want_lp = single.logprobs(batch, PADDED)
     loss_fn = pg_loss(kl_penalty=0.1)
-    want = single.train(batch, loss_fn, global_batch_size=8, micro_batch_size=8)
+    want = single.train(batch, loss_fn, global_batch_size=8, micro_batching=8)
     groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
     init = {
         "source": ModelSource(str(model_dir)),
@@ -201,7 +201,7 @@ def test_two_rank_packed_step_equals_one_padded_process(
     group = RayWorkerGroup(ShardedPolicyWorker, groups, init, timeout_s=120.0)
     try:
         lps = group.run_all("logprobs", batch, packed)
-        metrics = group.run_all("train", batch, loss_fn, global_batch_size=8, micro_batch_size=packed)
+        metrics = group.run_all("train", batch, loss_fn, global_batch_size=8, micro_batching=packed)
         state = group.run_all("full_state_dict")[0]
     finally:
         group.shutdown()

@@ -29,7 +29,7 @@ import ray
 
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.deploy import jobs
-from rlfleet.distributed.ray_policy import GenerationWorkerLostError
+from rlfleet.distributed.ray_generation import GenerationWorkerLostError
 from rlfleet.distributed.worker_group import WorkerDiedError, WorkerTimeoutError
 from rlfleet.logging import read_metrics
 from tests.conftest import RayHead, cli_argv, cli_env, free_port, small_grpo_config, small_grpo_overrides

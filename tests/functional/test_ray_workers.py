@@ -16,9 +16,9 @@ from rlfleet.distributed.cluster import (
     create_node_placement_groups,
     remove_placement_groups,
 )
-from rlfleet.distributed.sharded_worker import ShardedPolicyWorker
 from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError
 from rlfleet.models.loading import ModelSource
+from rlfleet.policy.sharded_worker import ShardedPolicyWorker
 from rlfleet.policy.worker import PolicyWorker
 from tests.conftest import TEST_OPTIMIZER, pg_loss, worker_batch
 
@@ -77,15 +77,15 @@ def test_two_rank_fsdp_step_equals_single_process_step(ray_cluster: None, tiny_m
     path = str(tiny_model_dir)
     single = PolicyWorker(ModelSource(path), SETTINGS, keep_reference=False)
     batch = worker_batch(single, noise=0.05)
-    expected_lp = single.logprobs(batch, micro_batch_size=2)
+    expected_lp = single.logprobs(batch, micro_batching=2)
     initial = {name: value.clone() for name, value in single.model.state_dict().items()}
-    expected = single.train(batch, LOSS, global_batch_size=4, micro_batch_size=1)
+    expected = single.train(batch, LOSS, global_batch_size=4, micro_batching=1)
     groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
     init = {"source": ModelSource(str(tiny_model_dir)), "settings": SETTINGS}
     group = RayWorkerGroup(ShardedPolicyWorker, groups, init, timeout_s=TIMEOUT_S)
     try:
         lps = group.run_all("logprobs", batch, 2)
-        metrics = group.run_all("train", batch, LOSS, global_batch_size=4, micro_batch_size=1)
+        metrics = group.run_all("train", batch, LOSS, global_batch_size=4, micro_batching=1)
         state = group.run_all("full_state_dict")[0]
     finally:
         group.shutdown()
@@ -110,13 +110,13 @@ def test_sharded_checkpoint_round_trip(ray_cluster: None, tiny_model_dir: Path, 
     init = {"source": ModelSource(path), "settings": SETTINGS}
     group = RayWorkerGroup(ShardedPolicyWorker, groups, init, TIMEOUT_S)
     try:
-        group.run_all("train", batch, LOSS, global_batch_size=4, micro_batch_size=2)
+        group.run_all("train", batch, LOSS, global_batch_size=4, micro_batching=2)
         saved = group.run_all("full_state_dict")[0]
         group.run_all("save", tmp_path / "step_1")
-        group.run_all("train", batch, LOSS, global_batch_size=4, micro_batch_size=2)
+        group.run_all("train", batch, LOSS, global_batch_size=4, micro_batching=2)
         group.run_all("load", tmp_path / "step_1")
         restored = group.run_all("full_state_dict")[0]
-        after = group.run_all("train", batch, LOSS, global_batch_size=4, micro_batch_size=2)
+        after = group.run_all("train", batch, LOSS, global_batch_size=4, micro_batching=2)
     finally:
         group.shutdown()
         remove_placement_groups(groups)

@@ -1,4 +1,4 @@
-"""Tensor parallelism, activation checkpointing and FSDP2 (``rlfleet.distributed.parallelize``) on gloo ranks.
+"""Tensor parallelism, activation checkpointing and FSDP2 (``rlfleet.policy.parallelize``) on gloo ranks.
 
 Every distributed result is compared with the same computation on one unsharded model in this process.
 """
@@ -20,7 +20,9 @@ from rlfleet.distributed.cluster import (
     create_node_placement_groups,
     remove_placement_groups,
 )
-from rlfleet.distributed.parallelize import (
+from rlfleet.distributed.worker_group import RayWorkerGroup
+from rlfleet.models.loading import load_model
+from rlfleet.policy.parallelize import (
     build_mesh,
     check_tensor_parallel,
     clip_grad_norm,
@@ -28,8 +30,6 @@ from rlfleet.distributed.parallelize import (
     parallelize,
     validate_tensor_parallel,
 )
-from rlfleet.distributed.worker_group import RayWorkerGroup
-from rlfleet.models.loading import load_model
 
 TIMEOUT_S = 120.0
 LR = 1e-2

@@ -20,7 +20,8 @@ from rlfleet.algorithms.grpo import GRPO
 from rlfleet.generation import HFGenerationBackend
 from rlfleet.generation.interface import GenerationResult, SamplingParams
 from rlfleet.generation.sampling import row_seeds
-from rlfleet.generation.vllm import VLLMGenerationBackend, VLLMSettings, weight_buckets
+from rlfleet.generation.vllm import VLLMGenerationBackend, VLLMSettings
+from rlfleet.generation.weights import buckets
 from rlfleet.logging import read_metrics
 from rlfleet.policy.batch import collate
 from rlfleet.policy.worker import PolicyWorker
@@ -72,7 +73,7 @@ def _logprob_error(
     """Largest |engine logprob - trainer logprob| over the sampled response tokens."""
     responses = [r.token_ids for r in results]
     batch = collate(prompts, responses, worker.tokenizer.pad_token_id, [r.logprobs for r in results])
-    trainer = worker.logprobs(batch, micro_batch_size=8, temperature=temperature)
+    trainer = worker.logprobs(batch, micro_batching=8, temperature=temperature)
     return float(((trainer - batch.generation_logprobs).abs() * batch.response_mask).max())
 
 
@@ -142,17 +143,17 @@ def test_dummy_load_format_refits_before_the_first_generation(
     assert [r.token_ids for r in first] == [r.token_ids for r in engine.generate(prompts, GREEDY, seed=1)]
 
 
-def test_engine_without_a_model_generates_only_after_load_weights(
+def test_engine_without_a_model_generates_only_after_load_buckets(
     engine: VLLMGenerationBackend, worker: PolicyWorker, prompts: list[list[int]]
 ) -> None:
     """The engine a Ray generation worker hosts: dummy weights until the broadcast arrives."""
     settings = VLLMSettings(precision="float32", max_model_len=128, seed=0, enforce_eager=True)
     receiving = VLLMGenerationBackend.receiving(worker.model.config, worker.tokenizer, settings)
     try:
-        with pytest.raises(RuntimeError, match="dummy weights: load_weights must run before generating"):
+        with pytest.raises(RuntimeError, match="dummy weights: load_buckets must run before generating"):
             receiving.generate(prompts, GREEDY, seed=1)
         state = worker.model.state_dict()
-        receiving.load_weights(weight_buckets(state, torch.float32, bucket_bytes=64 * 1024))  # several files
+        receiving.load_buckets(buckets(state, torch.float32, limit=64 * 1024))  # several files
         first = receiving.generate(prompts, GREEDY, seed=1)
     finally:
         receiving.close()

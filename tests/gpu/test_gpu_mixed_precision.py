@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.distributed.sharded_worker import ShardedPolicyWorker
 from rlfleet.models.loading import ModelSource
+from rlfleet.policy.sharded_worker import ShardedPolicyWorker
 from rlfleet.policy.worker import PolicyWorker
 from tests.functional.test_mixed_precision import SETTINGS, assert_float64_adamw_update
 

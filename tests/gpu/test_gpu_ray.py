@@ -56,7 +56,8 @@ def test_vllm_engine_on_ray_trains_from_the_refitted_weights(
     where = DEDICATED if layout == "dedicated" else []
     run = GRPO(small_grpo_config(tiny_vllm_model_dir, tmp_path, *TWO_STEPS, *RAY, *VLLM, *where, *bf16))
     if layout == "dedicated":
-        assert run.backend.runtime.gen.run_all("refit_precision") == ["bfloat16"]  # the broadcast's dtype
+        specs = run.backend.runtime.gen.run_all("weight_spec")
+        assert [spec.dtype for spec in specs] == [torch.bfloat16]  # the broadcast's dtype
     else:
         assert run.backend.runtime.gen is None  # the engine lives in the training rank's actor
     run.train()

@@ -1,4 +1,5 @@
-"""Every ``rlfleet`` module imports on its own, and no two modules import each other.
+"""Every ``rlfleet`` module imports on its own, no two modules import each other, and packages import
+only downwards (``LAYERS``).
 
 A cycle hides until someone imports the modules in the "wrong" order (``import rlfleet.distributed.layout``
 once failed while ``import rlfleet.config`` worked), so both checks look at each module alone:
@@ -124,6 +125,44 @@ def test_a_cycle_is_found() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# rlfleet's packages, lowest first: a package imports only packages of a lower layer, or of its own layer
+# where that makes no cycle (``distributed/`` is Ray only; torch parallelism is the policy's).
+LAYERS = [
+    {"errors", "utils"},
+    {"rewards"},
+    {"config", "models"},
+    {"data", "generation", "checkpoint", "logging", "deploy"},
+    {"policy"},
+    {"distributed"},
+    {"algorithms"},
+    {"plan", "demo", "cli"},
+]
+
+
+def package_imports() -> set[tuple[str, str]]:
+    """``(importing package, imported package)`` over every module's ``rlfleet`` imports (lazy ones included,
+    ``TYPE_CHECKING`` ones excluded), within a package left out."""
+    edges = set()
+    for name, path in MODULES.items():
+        parts = name.split(".")
+        if len(parts) < 2:
+            continue  # rlfleet/__init__.py
+        for module, _ in _imports(ast.parse(path.read_text()), top_level_only=False):
+            target = module.split(".")
+            if target[0] == "rlfleet" and len(target) > 1 and target[1] != parts[1]:
+                edges.add((parts[1], target[1]))
+    return edges
+
+
+def test_packages_import_only_downwards() -> None:
+    layer = {package: i for i, packages in enumerate(LAYERS) for package in packages}
+    edges = package_imports()
+    assert {p for edge in edges for p in edge} <= set(layer), "a package missing from LAYERS"
+    upward = sorted(f"{a} -> {b}" for a, b in edges if layer[b] > layer[a])
+    cycles = sorted(f"{a} <-> {b}" for a, b in edges if layer[a] == layer[b] and (b, a) in edges)
+    assert not upward and not cycles, f"upward imports: {upward}; cycles within a layer: {cycles}"
 
 
 _DRIVER = r"""

@@ -8,6 +8,7 @@ from torch import nn
 
 from rlfleet.config import ConfigError, load_recipe, resolve_recipe_path, unsupported_settings
 from rlfleet.config.schema import MasterConfig
+from rlfleet.generation.weights import engine_state
 from rlfleet.models.lora import (
     LoRALinear,
     LoraSettings,
@@ -20,7 +21,6 @@ from rlfleet.models.lora import (
     linear_shapes,
     matches,
     merge_adapters,
-    merged_state_dict,
     select_targets,
 )
 from rlfleet.plan import count_lora_parameters, count_parameters, format_plan, make_plan
@@ -152,7 +152,7 @@ def test_select_targets_names_unknown_modules_and_lists_candidates() -> None:
         select_targets(LINEARS, set(), nothing)
 
 
-def test_apply_lora_freezes_the_base_and_merged_state_dict_has_base_names_only() -> None:
+def test_apply_lora_freezes_the_base_and_the_engine_state_has_base_names_only() -> None:
     torch.manual_seed(0)
     model = _Tiny()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -170,7 +170,7 @@ def test_apply_lora_freezes_the_base_and_merged_state_dict_has_base_names_only()
             if name.endswith("lora_B.weight"):
                 p.normal_(std=0.1)
     adapted = model(ids)
-    merged = merged_state_dict(model)
+    merged = engine_state(model)  # what generation engines load: the adapters merged
     assert set(merged) == set(before) and set(adapter_state(model.state_dict())) == trainable
     plain = _Tiny()
     plain.load_state_dict(merged)

@@ -28,7 +28,6 @@ from rlfleet.data import (
     load_task,
     resolve_system_prompt,
 )
-from rlfleet.distributed.sharded_worker import ShardingSettings
 from rlfleet.generation import (
     GenerationBackend,
     HFGenerationBackend,
@@ -41,6 +40,7 @@ from rlfleet.models.lora import LoraSettings
 from rlfleet.policy.interface import Policy
 from rlfleet.policy.loss_functions import ClippedPGLossFn
 from rlfleet.policy.microbatch import MicroBatching
+from rlfleet.policy.sharded_worker import ShardingSettings
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
 from rlfleet.rewards import ScoringPool, VerifierPool
 from rlfleet.utils.flops import FlopMeter, peak_flops, shape_from_config
@@ -158,7 +158,8 @@ def build_policy(
     if not uses_ray(cfg, layout=layout):
         worker = build_worker(cfg, seed=seed, keep_reference=keep_reference)
         return worker, build_backend(cfg, worker, seed=seed)
-    from rlfleet.distributed.ray_policy import RayGeneration, RayPolicy, RayRuntime  # the ray extra
+    from rlfleet.distributed.ray_generation import RayGeneration  # the ray extra
+    from rlfleet.distributed.ray_policy import RayPolicy, RayRuntime
 
     policy_cfg, cluster = cfg.policy, cfg.cluster
     source = model_source(cfg)

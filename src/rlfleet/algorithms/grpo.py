@@ -278,7 +278,7 @@ class GRPO:
                 batch,
                 loss_fn,
                 global_batch_size=trainable.global_batch_size,
-                micro_batch_size=settings.train_batching,
+                micro_batching=settings.train_batching,
                 temperature=temperature,
             )
         metrics = {f"train/{k}": v for k, v in train.items()}

@@ -58,7 +58,7 @@ class SFT:
         batch = sft_batch(self.ctx.loader.next_batch(), policy.tokenizer, policy.tokenizer.pad_token_id)
         with timer("training"):
             train = policy.train(
-                batch, self.loss_fn, global_batch_size=len(batch), micro_batch_size=self.train_batching
+                batch, self.loss_fn, global_batch_size=len(batch), micro_batching=self.train_batching
             )
         metrics = {f"train/{k}": v for k, v in train.items()}
         metrics["train/num_tokens"] = int(batch.attention_mask.sum())

@@ -1,23 +1,24 @@
 """The driver's handles on a policy trained by Ray actors: the same methods as the in-process worker.
 
-``RayRuntime`` reserves the placement groups and starts the worker groups; ``RayPolicy`` (logprobs,
-training, checkpoints) and ``RayGeneration`` (sampling, refit) are what the algorithms see, so the GRPO
-and SFT loops do not change between one process and a cluster.
+``RayRuntime`` reserves the placement groups and starts the worker groups (the training ranks host
+``rlfleet.policy.sharded_worker.ShardedPolicyWorker``, dedicated generation ranks
+``rlfleet.generation.worker.GenerationWorker``); ``RayPolicy`` (logprobs, training, checkpoints) and
+``rlfleet.distributed.ray_generation.RayGeneration`` (sampling, refit) are what the algorithms see, so
+the GRPO and SFT loops do not change between one process and a cluster.
 
 Layouts (``config.layout``): *colocated*, every training rank also holds a generation engine (HF, or a
 vLLM engine process) refitted from the gathered weights; *dedicated*, generation engines run on their own
 bundles (a vLLM engine of tensor-parallel size N takes a bundle of N GPUs) and receive the weights by
-broadcast from training rank 0.
+broadcast from training rank 0 (see ``rlfleet.generation.weights``).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -27,37 +28,22 @@ from rlfleet.distributed.cluster import (
     create_node_placement_groups,
     remove_placement_groups,
 )
-from rlfleet.distributed.generation_worker import GenerationWorker, WorkerOutput
-from rlfleet.distributed.refit import WeightSpec
-from rlfleet.distributed.sharded_worker import ShardedPolicyWorker, ShardingSettings
-from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError, WorkerTimeoutError, gather
+from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError
 from rlfleet.errors import UserError
-from rlfleet.generation import GenerationResult, SamplingParams
-from rlfleet.generation.sampling import row_seeds
 from rlfleet.generation.vllm import VLLMSettings
+from rlfleet.generation.worker import GenerationWorker
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch
+from rlfleet.policy.interface import LossFn
 from rlfleet.policy.microbatch import MicroBatching
-from rlfleet.policy.worker import LossFn, OptimizerSettings
+from rlfleet.policy.sharded_worker import ShardedPolicyWorker, ShardingSettings
+from rlfleet.policy.worker import OptimizerSettings
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-
-def split_rows(count: int, parts: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, stop)`` ranges of ``count`` rows over ``parts`` workers, sizes within one."""
-    base, extra = divmod(count, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        stop = start + base + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
 
 
 def balance_metrics(prefix: str, seconds: Sequence[float], tokens: Sequence[int]) -> dict[str, float]:
@@ -198,22 +184,6 @@ class TrainingWorkerLostError(UserError, RuntimeError):
         )
 
 
-class GenerationWorkerLostError(UserError, RuntimeError):
-    """The dedicated generation workers kept failing (dying, or not answering within
-    ``cluster.call_timeout_s``) after the ``cluster.generation_retries`` restarts allowed; the message
-    names both settings (exit 2 from the CLI, like every error the user can act on)."""
-
-    @classmethod
-    def out_of_retries(cls, exc: Exception, retries: int) -> GenerationWorkerLostError:
-        return cls(
-            f"generation failed after {retries} restart(s) of the dedicated generation workers "
-            f"(cluster.generation_retries={retries}); the last failure: {exc}. Check the generation workers' "
-            "logs (an out-of-memory kill?), then raise cluster.generation_retries to allow more restarts, or "
-            "cluster.call_timeout_s if they were only slow; rerun the same command to resume from the last "
-            "checkpoint (checkpointing.checkpoint_dir)"
-        )
-
-
 class RayPolicy:
     """The training ranks, seen as one policy (implements :class:`rlfleet.policy.interface.Policy`)."""
 
@@ -236,13 +206,13 @@ class RayPolicy:
     def logprobs(
         self,
         batch: TrainBatch,
-        micro_batch_size: int | MicroBatching,
+        micro_batching: MicroBatching | int,
         *,
         reference: bool = False,
         temperature: float = 1.0,
     ) -> torch.Tensor:
         logprobs: torch.Tensor = self._run(
-            "logprobs", batch, micro_batch_size, reference=reference, temperature=temperature
+            "logprobs", batch, micro_batching, reference=reference, temperature=temperature
         )[0]
         return logprobs
 
@@ -252,7 +222,7 @@ class RayPolicy:
         loss_fn: LossFn,
         *,
         global_batch_size: int,
-        micro_batch_size: int | MicroBatching,
+        micro_batching: MicroBatching | int,
         temperature: float = 1.0,
     ) -> dict[str, float]:
         metrics: dict[str, float] = self._run(
@@ -260,7 +230,7 @@ class RayPolicy:
             batch,
             loss_fn,
             global_batch_size=global_batch_size,
-            micro_batch_size=micro_batch_size,
+            micro_batching=micro_batching,
             temperature=temperature,
         )[0]
         return metrics
@@ -283,118 +253,3 @@ class RayPolicy:
 
     def close(self) -> None:
         self.runtime.close()
-
-
-class RayGeneration:
-    """Generation on the engines of a ``RayRuntime`` (implements ``rlfleet.generation.GenerationBackend``).
-
-    Rows are split into contiguous shares, one per engine, and sampled from per-row seeds, so the
-    responses do not depend on the number of engines. A dead dedicated engine is replaced, refitted and the
-    generation retried (``retries`` times, a failed restart counting as a failed retry; then
-    ``GenerationWorkerLostError``); a dead colocated engine is a dead training rank: that raises.
-    """
-
-    def __init__(self, runtime: RayRuntime, retries: int) -> None:
-        self.runtime = runtime
-        self.retries = retries
-        self.spec: WeightSpec | None = None
-        self.last_metrics: dict[str, float] = {}
-        self.restarts = 0
-        if runtime.layout.colocated:
-            self.refit()  # a colocated vLLM engine starts with dummy weights
-        else:
-            self._start_dedicated()
-
-    def _engines(self) -> RayWorkerGroup:
-        if self.runtime.layout.colocated:
-            return self.runtime.training()
-        if self.runtime.gen is None:
-            raise RuntimeError("the generation workers are shut down")
-        return self.runtime.gen
-
-    def _start_dedicated(self) -> None:
-        """Starts the engines and the refit group, then sends them the trainer's current weights."""
-        gen = self.runtime.start_generation_group()
-        train = self.runtime.training()
-        spec = train.run_all("weight_spec")[0]
-        for rank, theirs in enumerate(gen.run_all("weight_spec")):
-            if theirs != spec:
-                raise ValueError(
-                    f"generation rank {rank} expects other weights than the trainer sends "
-                    f"({len(theirs)} vs {len(spec)} tensors); both must load policy.model_name"
-                )
-        self.spec = spec
-        precisions = set(gen.run_all("refit_precision"))
-        if len(precisions) != 1:
-            raise RuntimeError(f"the generation engines run in different precisions: {sorted(precisions)}")
-        addr, port = train.free_port_on_rank0()
-        size = 1 + gen.world_size
-        timeout = self.runtime.call_timeout_s
-        refs = train.submit("join_refit_group", addr, port, size, timeout, precisions.pop())
-        refs += [
-            gen.submit_to(i, "join_refit_group", addr, port, i + 1, size, timeout) for i in range(size - 1)
-        ]
-        gather(refs, timeout)
-        self._broadcast()
-
-    def _broadcast(self) -> None:
-        gen, train = self._engines(), self.runtime.training()
-        refs = train.submit("send_weights", self.spec) + gen.submit("receive_weights", self.spec)
-        gather(refs, self.runtime.call_timeout_s)
-
-    def refit(self) -> None:
-        """Makes every engine use the trainer's current weights."""
-        if self.runtime.layout.colocated:
-            self.runtime.training().run_all("refit_colocated")
-        else:
-            self._retrying(self._broadcast)
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
-    ) -> list[GenerationResult]:
-        seeds = row_seeds(seed, len(prompts))
-        return self._retrying(lambda: self._generate(prompts, params, seeds))
-
-    def _engine_ranks(self) -> list[int]:
-        """The ranks that host an engine: every dedicated worker; colocated, the first rank of each group
-        of ``gen_tp`` training ranks (a tensor-parallel vLLM engine spans its group's GPUs)."""
-        lay = self.runtime.layout
-        return list(range(0, self._engines().world_size, lay.gen_tp if lay.colocated else 1))
-
-    def _generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: list[int]
-    ) -> list[GenerationResult]:
-        ranks = self._engine_ranks()
-        shares = split_rows(len(prompts), len(ranks))
-        outputs: list[WorkerOutput] = self._engines().run_on(
-            ranks, "generate_rows", [([list(p) for p in prompts[a:b]], params, seeds[a:b]) for a, b in shares]
-        )
-        self.last_metrics = balance_metrics(
-            "generation", [o.seconds for o in outputs], [o.tokens for o in outputs]
-        )
-        return [result for output in outputs for result in output.results]
-
-    def _retrying(self, action: Callable[[], T]) -> T:
-        attempt = 0
-        while True:
-            try:
-                if attempt:  # replace the failed engines; a restart that fails is a failed retry too
-                    start = time.perf_counter()
-                    self._start_dedicated()
-                    log.warning("generation engines restarted in %.1fs", time.perf_counter() - start)
-                return action()
-            except (WorkerDiedError, WorkerTimeoutError) as exc:
-                if self.runtime.layout.colocated and isinstance(exc, WorkerDiedError):
-                    raise TrainingWorkerLostError.from_death(exc) from exc  # the engines are trainers
-                if self.runtime.layout.colocated:
-                    raise
-                if attempt >= self.retries:
-                    raise GenerationWorkerLostError.out_of_retries(exc, self.retries) from exc
-                attempt += 1
-                self.restarts += 1
-                log.warning("generation worker failed (%s); restarting the engines, retry %d", exc, attempt)
-
-    def take_metrics(self) -> dict[str, float]:
-        """Per-engine throughput and imbalance of the last ``generate``, and restarts so far."""
-        metrics, self.last_metrics = self.last_metrics, {}
-        return {**metrics, "perf/generation_restarts": float(self.restarts)}

@@ -1,4 +1,8 @@
-"""Generation backends behind one interface."""
+"""Generation backends behind one interface.
+
+Also here: the per-rank ``worker.GenerationWorker`` (an engine a Ray actor or a training rank hosts) and
+``weights``, the one path of the trainer's weights to the engines.
+"""
 
 from rlfleet.generation.hf import HFGenerationBackend
 from rlfleet.generation.interface import GenerationBackend, GenerationResult, SamplingParams

@@ -1,8 +1,9 @@
-"""Generation with Hugging Face ``model.generate`` (batched, left-padded, on the trainer's own model)."""
+"""Generation with Hugging Face ``model.generate`` (batched, left-padded): on the trainer's own model in
+process, or on a generation worker's own copy (refitted through ``load_buckets``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -49,6 +50,15 @@ class HFGenerationBackend:
 
     def refit(self) -> None:
         """Colocated and in-process: the backend already holds the trainer's weights."""
+
+    @torch.no_grad()
+    def load_buckets(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        """Copies full tensors (checkpoint names) into the model in place, casting to its dtype: how a
+        generation worker's own copy is refitted (see ``rlfleet.generation.weights``)."""
+        target = self.model.state_dict()
+        for bucket in buckets:
+            for name, tensor in bucket.items():
+                target[name].copy_(tensor)
 
     def take_metrics(self) -> dict[str, float]:
         """One in-process engine: nothing per worker to report."""

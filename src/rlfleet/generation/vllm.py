@@ -3,19 +3,21 @@
 The engine runs in its own process (vLLM starts it with ``spawn``: a script that builds this backend needs
 the ``if __name__ == "__main__":`` guard). It never reads the policy's checkpoint: it starts from a
 directory holding the policy's config and tokenizer, and its weights come from the trainer, written as
-safetensors files of bounded size (the float32 masters cast to the engine dtype) and loaded by the
-worker extension in :mod:`rlfleet.generation.vllm_worker_ext`. With ``load_format="dummy"`` the engine
-starts with random weights and the constructor refits before anything can generate.
+safetensors files of bounded size (the float32 masters cast to the engine dtype: the buckets of
+:mod:`rlfleet.generation.weights`) and loaded by the worker extension in
+:mod:`rlfleet.generation.vllm_worker_ext`. With ``load_format="dummy"`` the engine starts with random
+weights and the constructor refits before anything can generate.
 
 On a GPU shared with training the engine sleeps between generations (NeMo RL's order): ``sleep(level=1)``
 after generating frees the KV cache and offloads the weights for training; ``refit`` wakes the weights,
 loads the new ones, then wakes the KV cache. The CPU build has no sleep mode; a dedicated engine
 (``VLLMSettings.shares_gpu=False``) stays awake.
 
-An engine with no trainer model beside it (a dedicated generation worker on Ray,
+An engine with no trainer model beside it (a generation worker on Ray,
 :meth:`VLLMGenerationBackend.receiving`) starts from the config alone with dummy weights; the weights it
-receives (by broadcast) go through :meth:`VLLMGenerationBackend.load_weights`, the same files-and-reload
-path, and it refuses to generate until they have arrived.
+receives (gathered by its training rank, or by broadcast) go through
+:meth:`VLLMGenerationBackend.load_buckets`, the same files-and-reload path, and it refuses to generate until
+they have arrived.
 
 Sampling: one request per row seeded with :func:`rlfleet.generation.sampling.row_seeds` (the HF backend's
 per-row seeds, so a row reproduces whatever else is in the batch; vLLM's sampler draws differently from
@@ -44,11 +46,11 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from rlfleet.generation.interface import GenerationResult, SamplingParams
 from rlfleet.generation.sampling import row_seeds
-from rlfleet.models.lora import merged_state_dict
+from rlfleet.generation.weights import buckets, engine_state
+from rlfleet.models.loading import DTYPES
 
 log = logging.getLogger("rlfleet")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXTENSION = "rlfleet.generation.vllm_worker_ext.WeightReloadExtension"
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when the environment does not set it
 
@@ -66,7 +68,6 @@ class VLLMSettings:
         gpu_memory_utilization: Share of the GPU the engine may take (weights + KV cache).
         tensor_parallel_size: GPUs per engine.
         engine_kwargs: Passed through to ``vllm.LLM`` last (``vllm_cfg.vllm_kwargs``).
-        bucket_bytes: Largest weight file written per refit bucket.
         shares_gpu: The engine shares its GPU with training (colocated): on a GPU it sleeps between
             generations. A dedicated engine has its GPUs to itself and stays awake.
         visible_devices: ``CUDA_VISIBLE_DEVICES`` of the engine's processes (a colocated tensor-parallel
@@ -81,34 +82,8 @@ class VLLMSettings:
     gpu_memory_utilization: float = 0.6
     tensor_parallel_size: int = 1
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    bucket_bytes: int = 256 * 1024**2
     shares_gpu: bool = True
     visible_devices: str | None = None
-
-
-def weight_buckets(
-    state: Mapping[str, torch.Tensor], dtype: torch.dtype, bucket_bytes: int
-) -> Iterator[dict[str, torch.Tensor]]:
-    """A state dict (checkpoint names; a LoRA model's adapters already merged, see ``merged_state_dict``)
-    cast to ``dtype`` on the CPU, grouped into dicts of at most ``bucket_bytes`` (a single larger tensor gets
-    a bucket of its own).
-
-    Pass every name, tied weights included (``model.state_dict()`` lists them under each name): vLLM's
-    CPU build keeps a repacked copy of a tied ``lm_head``, which a refit without ``lm_head.weight`` would
-    leave stale. Each tensor is a copy (safetensors refuses shared storage).
-    """
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, value in state.items():
-        tensor = value.detach().to("cpu", dtype, copy=True).contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = {}, 0
-        bucket[name] = tensor
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def cpu_scheduling(max_model_len: int) -> dict[str, Any]:
@@ -154,7 +129,7 @@ class VLLMGenerationBackend:
 
     Args:
         model: The trainer's model (float32 masters); its state dict is what ``refit`` sends. None for an
-            engine whose weights arrive through ``load_weights`` only (see ``receiving``).
+            engine whose weights arrive through ``load_buckets`` only (see ``receiving``).
         tokenizer: The policy's tokenizer: saved for the engine, and decodes responses.
         settings: The engine's settings.
         config: The model's config when ``model`` is None (the engine's architecture).
@@ -173,11 +148,11 @@ class VLLMGenerationBackend:
         if model is not None:
             config = model.config
         elif config is None:
-            raise ValueError("pass the trainer's model, or (for an engine refitted by load_weights) a config")
+            raise ValueError("pass the trainer's model, or (for an engine refitted by load_buckets) a config")
         self.model = model
         self.config: PretrainedConfig = config
         self.tokenizer = tokenizer
-        # without a model there are no weights to write: the engine starts dummy and waits for load_weights
+        # without a model there are no weights to write: the engine starts dummy and waits for load_buckets
         self.settings = settings if model is not None else replace(settings, load_format="dummy")
         self.dtype = DTYPES[settings.precision]
         self.sleeps = settings.shares_gpu and torch.cuda.is_available()  # sleep mode is a GPU feature
@@ -199,15 +174,14 @@ class VLLMGenerationBackend:
         cls, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, settings: VLLMSettings
     ) -> VLLMGenerationBackend:
         """An engine with no trainer model beside it: it starts with dummy weights and generates only once
-        ``load_weights`` has given it the policy's (``settings.load_format`` is not used)."""
+        ``load_buckets`` has given it the policy's (``settings.load_format`` is not used)."""
         return cls(None, tokenizer, settings, config=config)
 
     def _write_model_dir(self) -> None:
         self.config.save_pretrained(self.model_dir)
         self.tokenizer.save_pretrained(self.model_dir)
         if self.has_weights and self.model is not None:  # vLLM loads every *.safetensors file there
-            buckets = weight_buckets(merged_state_dict(self.model), self.dtype, self.settings.bucket_bytes)
-            for i, bucket in enumerate(buckets):
+            for i, bucket in enumerate(buckets(engine_state(self.model), self.dtype)):
                 path = Path(self.model_dir) / f"model-{i + 1:05d}.safetensors"
                 save_file(bucket, str(path), metadata={"format": "pt"})
 
@@ -246,11 +220,10 @@ class VLLMGenerationBackend:
     def refit(self) -> None:
         """Loads the trainer's current weights into the engine (waking it first on a GPU)."""
         if self.model is None:
-            raise RuntimeError("this engine has no trainer model beside it; its weights come by load_weights")
-        state = merged_state_dict(self.model)
-        self.load_weights(weight_buckets(state, self.dtype, self.settings.bucket_bytes))
+            raise RuntimeError("this engine has no trainer model beside it; its weights come by load_buckets")
+        self.load_buckets(buckets(engine_state(self.model), self.dtype))
 
-    def load_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
+    def load_buckets(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
         """Loads full tensors (checkpoint names, every one of the model's) into the engine.
 
         Every bucket is written to a safetensors file first (``buckets`` is consumed whole even when the
@@ -299,7 +272,7 @@ class VLLMGenerationBackend:
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if not self.has_weights:
-            raise RuntimeError("the vLLM engine holds dummy weights: load_weights must run before generating")
+            raise RuntimeError("the vLLM engine holds dummy weights: load_buckets must run before generating")
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False

@@ -318,14 +318,6 @@ def merge_adapters(state: Mapping[str, torch.Tensor], scaling: float) -> dict[st
     return merged
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with its adapters merged (the state dict itself when there are none)."""
-    state = model.state_dict()
-    if not has_adapters(model):
-        return state
-    return merge_adapters(state, model_scaling(model))
-
-
 def adapter_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Only the adapter tensors of a state dict."""
     return {name: value for name, value in state.items() if is_adapter_key(name)}

@@ -32,9 +32,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PreTrainedModel
 
-from rlfleet.distributed.parallelize import checkpoint_layers, parallelize
 from rlfleet.models.loading import DTYPES, ModelSource, load_model
 from rlfleet.models.lora import LoraSettings, WithoutAdapters, apply_lora
+from rlfleet.policy.parallelize import checkpoint_layers, parallelize
 from rlfleet.utils.cpu import cpu_flags, slow_cpu_precision
 
 log = logging.getLogger("rlfleet")

@@ -4,20 +4,28 @@ Two classes implement it structurally: :class:`~rlfleet.policy.worker.PolicyWork
 process) and :class:`~rlfleet.distributed.ray_policy.RayPolicy` (the sharded training ranks on Ray, seen
 as one). The loops (SFT, GRPO, ``rlfleet eval``) are typed against :class:`Policy` and the generation
 side's :class:`~rlfleet.generation.GenerationBackend`, so they never learn which one they drive.
+:data:`LossFn` is what they hand :meth:`Policy.train`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import torch
+
+from rlfleet.policy.batch import TrainBatch
+from rlfleet.policy.loss import Normalizer
+
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedTokenizerBase
 
-    from rlfleet.policy.batch import TrainBatch
     from rlfleet.policy.microbatch import MicroBatching
-    from rlfleet.policy.worker import LossFn
+
+LossFn = Callable[[torch.Tensor, TrainBatch, Normalizer], tuple[torch.Tensor, dict[str, float]]]
+"""A loss over one micro-batch: ``(token logprobs [n, T], micro-batch, global normaliser) -> (loss,
+metrics)``; the metrics are summed over micro-batches (``rlfleet.policy.loss_functions``)."""
 
 
 @runtime_checkable
@@ -41,14 +49,15 @@ class Policy(Protocol):
     def logprobs(
         self,
         batch: TrainBatch,
-        micro_batch_size: int | MicroBatching,
+        micro_batching: MicroBatching | int,
         *,
         reference: bool = False,
         temperature: float = 1.0,
     ) -> torch.Tensor:
         """``[B, T]`` token logprobs of the policy (or of the frozen reference) over ``batch``.
 
-        ``micro_batch_size``: rows per forward pass, or a ``MicroBatching`` (dynamic batching / packing)."""
+        ``micro_batching``: how the rows go through the model, a ``MicroBatching`` (fixed rows, dynamic
+        batching or packing) or a row count (fixed micro-batches of that many rows)."""
         ...
 
     def train(
@@ -57,7 +66,7 @@ class Policy(Protocol):
         loss_fn: LossFn,
         *,
         global_batch_size: int,
-        micro_batch_size: int | MicroBatching,
+        micro_batching: MicroBatching | int,
         temperature: float = 1.0,
     ) -> dict[str, float]:
         """One optimizer step per ``global_batch_size`` rows of ``batch``; metrics averaged over steps."""

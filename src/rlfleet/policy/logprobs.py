@@ -107,18 +107,18 @@ def forward_logprobs(
 def batch_logprobs(
     model: ScoringModel,
     batch: TrainBatch,
-    batching: int | MicroBatching,
+    micro_batching: MicroBatching | int,
     temperature: float,
     num_shards: int = 1,
     shard: int = 0,
 ) -> torch.Tensor:
     """Token logprobs of shard ``shard`` of ``num_shards`` (contiguous equal row shares) of ``batch``, in eval
-    mode, micro-batch by micro-batch as ``batching`` plans (every shard runs the same number of passes).
+    mode, micro-batch by micro-batch as ``micro_batching`` plans (every shard runs the same number of passes).
 
     Returns:
         ``[B / num_shards, T]`` float32 on the CPU in the shard's row order, ``T`` the width of ``batch``.
     """
-    batching = as_micro_batching(batching)
+    batching = as_micro_batching(micro_batching)
     share = len(batch) // num_shards
     mine = batch.select(shard * share, (shard + 1) * share)
     plan = plan_micro_batches(row_lengths(batch), batching, num_shards)[shard]

@@ -60,7 +60,7 @@ class MicroBatching:
         return "packed" if self.pack else "dynamic" if self.tokens is not None else "rows"
 
 
-def as_micro_batching(value: int | MicroBatching) -> MicroBatching:
+def as_micro_batching(value: MicroBatching | int) -> MicroBatching:
     """A row count means fixed micro-batches of that many rows."""
     return value if isinstance(value, MicroBatching) else MicroBatching(rows=value)
 

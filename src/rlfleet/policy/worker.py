@@ -21,6 +21,7 @@ from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import LoraSettings, WithoutAdapters
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.build import PolicyModels, build_policy_models, compute_autocast, require_master_dtype
+from rlfleet.policy.interface import LossFn
 from rlfleet.policy.logprobs import batch_logprobs, forward_logprobs
 from rlfleet.policy.loss import Normalizer
 from rlfleet.policy.microbatch import (
@@ -30,8 +31,6 @@ from rlfleet.policy.microbatch import (
     plan_micro_batches,
     row_lengths,
 )
-
-LossFn = Callable[[torch.Tensor, TrainBatch, Normalizer], tuple[torch.Tensor, dict[str, float]]]
 
 
 @dataclass(frozen=True)
@@ -132,16 +131,17 @@ class TrainablePolicy(ABC):
         loss_fn: LossFn,
         *,
         global_batch_size: int,
-        micro_batch_size: int | MicroBatching,
+        micro_batching: MicroBatching | int,
         temperature: float = 1.0,
     ) -> dict[str, float]:
         """One optimizer step per ``global_batch_size`` rows of ``batch``, accumulating micro-batches.
 
-        ``micro_batch_size``: rows per micro-batch, or a ``MicroBatching`` (token budgets: dynamic batching
-        or sequence packing). Under data parallelism every rank receives the whole batch and trains on its
-        share of each global batch. Returns metrics averaged over the optimizer steps (summed over
-        micro-batches and ranks): the loss function's metrics plus ``grad_norm``, ``lr`` and the padding
-        shares of ``padding_metrics``; the same on every rank.
+        ``micro_batching``: how each global batch splits into micro-batches, a ``MicroBatching`` (fixed rows,
+        or token budgets: dynamic batching or sequence packing) or a row count (fixed rows). Under data
+        parallelism every rank receives the whole batch and trains on its share of each global batch.
+        Returns metrics averaged over the optimizer steps (summed over micro-batches and ranks): the loss
+        function's metrics plus ``grad_norm``, ``lr`` and the padding shares of ``padding_metrics``; the
+        same on every rank.
         """
         if len(batch) % global_batch_size or global_batch_size % self.dp_size:
             raise ValueError(
@@ -149,7 +149,7 @@ class TrainablePolicy(ABC):
                 "data-parallel rank(s): the batch must split into global batches and each global batch "
                 "evenly over the ranks (every rank must run the same number of forward passes)"
             )
-        batching = as_micro_batching(micro_batch_size)
+        batching = as_micro_batching(micro_batching)
         self.model.train()
         metrics = over_global_batches(
             batch, global_batch_size, lambda gb: self._optimizer_step(gb, loss_fn, batching, temperature)
@@ -263,7 +263,7 @@ class PolicyWorker(TrainablePolicy):
     def logprobs(
         self,
         batch: TrainBatch,
-        micro_batch_size: int | MicroBatching,
+        micro_batching: MicroBatching | int,
         *,
         reference: bool = False,
         temperature: float = 1.0,
@@ -271,7 +271,7 @@ class PolicyWorker(TrainablePolicy):
         """``[B, T]`` token logprobs of the policy (or the frozen reference) over ``batch``, micro-batched by
         rows or by a ``MicroBatching`` token budget; rows in ``batch`` order."""
         with self._compute():
-            lp = batch_logprobs(self._scoring_model(reference), batch, micro_batch_size, temperature)
+            lp = batch_logprobs(self._scoring_model(reference), batch, micro_batching, temperature)
         return lp.to(batch.response_mask.dtype)
 
     def _optimizer_step(

@@ -1,9 +1,13 @@
 """The data-parallel, FSDP2-sharded policy worker: one instance per rank of a process group.
 
-A plain class (the Ray layer hosts it; see ``RayWorkerGroup``). Every rank receives the whole batch and
-works on its contiguous share of each global batch; the loss is divided by the token and sequence counts
-of the *global* batch (all-reduced first), and gradients are summed across ranks, so one step equals the
-single-process ``PolicyWorker`` step on the same batch.
+A plain class (the Ray layer hosts it; see ``rlfleet.distributed.worker_group``). Every rank receives the
+whole batch and works on its contiguous share of each global batch; the loss is divided by the token and
+sequence counts of the *global* batch (all-reduced first), and gradients are summed across ranks, so one
+step equals the single-process ``PolicyWorker`` step on the same batch.
+
+It is also the trainer's end of the weight path to the generation engines (``rlfleet.generation.weights``):
+colocated, each rank gathers the full weights into the engine it hosts (``refit``); dedicated, rank 0
+broadcasts them to the generation workers (``join_refit_group``, ``broadcast_weights``).
 """
 
 from __future__ import annotations
@@ -17,19 +21,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from rlfleet.distributed.generation_worker import GenerationWorker, WorkerOutput
-from rlfleet.distributed.parallelize import build_mesh, clip_grad_norm
-from rlfleet.distributed.refit import RefitGroup, WeightSpec, weight_spec
 from rlfleet.generation import SamplingParams
 from rlfleet.generation.vllm import VLLMSettings
-from rlfleet.models.loading import DTYPES, ModelSource
-from rlfleet.models.lora import LoraSettings, has_adapters, merge_adapters, model_scaling
+from rlfleet.generation.weights import RefitGroup, WeightSpec, engine_state, weight_spec
+from rlfleet.generation.worker import GenerationWorker, WorkerOutput
+from rlfleet.models.loading import ModelSource
+from rlfleet.models.lora import LoraSettings
 from rlfleet.policy.batch import TrainBatch
-from rlfleet.policy.build import build_policy_models
+from rlfleet.policy.build import MASTER_DTYPE, build_policy_models
+from rlfleet.policy.interface import LossFn
 from rlfleet.policy.logprobs import batch_logprobs
 from rlfleet.policy.loss import Normalizer
 from rlfleet.policy.microbatch import MicroBatching, plan_micro_batches, row_lengths
-from rlfleet.policy.worker import LossFn, OptimizerSettings, TrainablePolicy
+from rlfleet.policy.parallelize import build_mesh, clip_grad_norm
+from rlfleet.policy.worker import OptimizerSettings, TrainablePolicy
 
 
 @dataclass(frozen=True)
@@ -134,18 +139,18 @@ class ShardedPolicyWorker(TrainablePolicy):
     def logprobs(
         self,
         batch: TrainBatch,
-        micro_batch_size: int | MicroBatching,
+        micro_batching: MicroBatching | int,
         *,
         reference: bool = False,
         temperature: float = 1.0,
     ) -> torch.Tensor:
         """``[B, T]`` token logprobs of the whole ``batch``: each rank computes its rows (as many forward
-        passes on every rank, however ``micro_batch_size`` plans them), then all gather."""
+        passes on every rank, however ``micro_batching`` plans them), then all gather."""
         model = self._scoring_model(reference)
         self._check_divisible("logprob batch", len(batch))
         start = time.perf_counter()
         with self._compute():
-            mine = batch_logprobs(model, batch, micro_batch_size, temperature, self.dp_size, self.dp_rank)
+            mine = batch_logprobs(model, batch, micro_batching, temperature, self.dp_size, self.dp_rank)
         self.busy_seconds += time.perf_counter() - start
         parts = [torch.empty_like(mine).to(self.device) for _ in range(self.dp_size)]
         dist.all_gather(parts, mine.to(self.device), group=self.dp_group)
@@ -186,13 +191,10 @@ class ShardedPolicyWorker(TrainablePolicy):
         # a full state dict of a model holds plain tensors (no DTensor, no nested state)
         return cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=options))
 
-    def generation_state_dict(self, *, on_every_rank: bool = False) -> dict[str, torch.Tensor]:
+    def engine_state(self, *, on_every_rank: bool = False) -> dict[str, torch.Tensor]:
         """What the generation engines load: the full weights with any LoRA adapters merged in (base
         names only). Collective: call on all ranks."""
-        state = self.full_state_dict(on_every_rank=on_every_rank)
-        if not state or not has_adapters(self.model):  # ranks > 0 hold nothing unless on_every_rank
-            return state
-        return merge_adapters(state, model_scaling(self.model))
+        return engine_state(self.model, self.full_state_dict(on_every_rank=on_every_rank))
 
     # ---------------------------------------------------------------------------- generation and refit
 
@@ -211,34 +213,35 @@ class ShardedPolicyWorker(TrainablePolicy):
         """How many ranks' devices this rank's colocated engine spans (0: it hosts none)."""
         return 0 if self.generator is None else self.generator.tensor_parallel_size
 
-    def refit_colocated(self) -> None:
-        """Loads the current training weights (LoRA adapters merged) into this rank's engine, if it hosts
-        one (collective: all ranks gather)."""
-        state = self.generation_state_dict(on_every_rank=True)
+    def refit(self) -> None:
+        """Colocated refit: every rank gathers the current training weights (LoRA adapters merged) and
+        loads them into its engine, if it hosts one (collective)."""
+        state = self.engine_state(on_every_rank=True)
         if self.generator is not None:
-            self.generator.load_weights(state)
+            self.generator.update_weights(state)
 
     def weight_spec(self) -> WeightSpec:
-        """Names and shapes of the full weights, as rank 0 will broadcast them (collective)."""
-        return weight_spec(self.generation_state_dict())
+        """Names and shapes of the full weights, as rank 0 will broadcast them, held in float32
+        (collective)."""
+        return weight_spec(self.engine_state(), MASTER_DTYPE)
 
     def join_refit_group(
-        self, master_addr: str, master_port: int, size: int, timeout_s: float, precision: str
+        self, master_addr: str, master_port: int, rank: int, size: int, timeout_s: float
     ) -> None:
-        """Rank 0 joins the refit group as its source, sending in the engines' ``precision``; other ranks
-        do nothing."""
+        """Dedicated refit: rank 0 joins the broadcast group as its source (``rank`` 0); the other
+        training ranks do nothing."""
         if self.rank == 0:
             if self.refit_group is not None:
                 self.refit_group.close()
-            dtype = DTYPES[precision]
-            self.refit_group = RefitGroup(master_addr, master_port, 0, size, timeout_s, dtype)
+            self.refit_group = RefitGroup(master_addr, master_port, rank, size, timeout_s)
 
-    def send_weights(self, spec: WeightSpec) -> None:
-        """Dedicated refit: every rank helps gather the full weights; rank 0 broadcasts them."""
-        state = self.generation_state_dict()
+    def broadcast_weights(self, spec: WeightSpec) -> None:
+        """Dedicated refit: every rank helps gather the full weights; rank 0 broadcasts them as ``spec``
+        says (its names, in its order and dtype)."""
+        state = self.engine_state()
         if self.rank == 0:
             if self.refit_group is None:
-                raise RuntimeError("join_refit_group must run before send_weights")
+                raise RuntimeError("join_refit_group must run before broadcast_weights")
             self.refit_group.send(state, spec)
 
     def close(self) -> None:

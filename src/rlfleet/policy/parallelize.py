@@ -4,7 +4,8 @@ The ranks of the default process group form a 2-D ``("dp", "tp")`` mesh (``build
 splits the attention and MLP projections of every decoder layer over ``"tp"`` (Megatron style: q/k/v and
 gate/up column-wise, o and down row-wise, so each layer needs one all-reduce after attention and one after
 the MLP), optionally checkpoints each decoder layer's activations, and shards all parameters over ``"dp"``
-with FSDP2. Embeddings, norms and the LM head are replicated across ``"tp"``.
+with FSDP2. Embeddings, norms and the LM head are replicated across ``"tp"``. Plain ``torch.distributed``:
+whatever starts the ranks (Ray's worker groups in ``rlfleet.distributed``) is not its concern.
 
 Notes on transformers (checked against 5.x):
 
