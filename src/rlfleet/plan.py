@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlfleet.config.capabilities import uses_ray
-from rlfleet.config.checks import unsupported_settings
+from rlfleet.config.checks import layout_problems, unsupported_settings
 from rlfleet.config.describe import describe_algorithm
-from rlfleet.config.layout import ResourceLayout, compute_layout
+from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.schema import ArchitectureConfig, MasterConfig
 
 GIB = 1024**3
@@ -83,7 +83,8 @@ class Plan:
 
 
 def make_plan(cfg: MasterConfig) -> tuple[Plan, list[str]]:
-    layout, problems = compute_layout(cfg)
+    layout = resource_layout(cfg)
+    problems = layout_problems(cfg, layout)
     g, p = cfg.grpo, cfg.policy
     samples = g.num_prompts_per_step * g.num_generations_per_prompt
     arch = p.architecture

@@ -9,7 +9,8 @@ import pytest
 from rlfleet.algorithms.evaluation import pass_at_k
 from rlfleet.cli import main
 from rlfleet.config import ConfigError, check_config, load_recipe, resolve_recipe_path, shipped_recipe_names
-from rlfleet.config.layout import compute_layout
+from rlfleet.config.checks import layout_problems
+from rlfleet.config.layout import resource_layout
 from rlfleet.plan import count_parameters, make_plan
 from tests.conftest import SEED_COMMAND_LINE
 
@@ -102,7 +103,8 @@ def test_single_node_dedicated_generation_splits_the_node() -> None:
             "policy.dtensor_cfg.tensor_parallel_size=2",
         ],
     )
-    layout, problems = compute_layout(cfg)
+    layout = resource_layout(cfg)
+    problems = layout_problems(cfg, layout)
     assert problems == []
     assert (layout.gen_world, layout.gen_engines, layout.train_world, layout.train_dp) == (4, 2, 4, 2)
 

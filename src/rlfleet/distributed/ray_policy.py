@@ -61,7 +61,7 @@ class RayRuntime:
     """Placement groups and worker groups for one run; ``close`` releases everything it started.
 
     Args:
-        layout: Where training and generation run (``compute_layout``).
+        layout: Where training and generation run (``rlfleet.config.layout.resource_layout``).
         source: The policy to load.
         settings: Optimizer settings of the training ranks.
         sharding: Tensor parallelism and activation checkpointing (its generation batch is set here).

@@ -23,7 +23,7 @@ Sampling: one request per row seeded with :func:`rlfleet.generation.sampling.row
 per-row seeds, so a row reproduces whatever else is in the batch; vLLM's sampler draws differently from
 HF's, so the samples themselves differ). The returned logprobs are vLLM's ``processed_logprobs``: the
 sampled token under ``softmax(logits / temperature)``, as the trainer computes them (top-k/top-p with
-vLLM is refused in ``rlfleet.config.capabilities``: vLLM would report them under the filtered
+vLLM is refused in ``rlfleet.config.checks``: vLLM would report them under the filtered
 distribution).
 """
 

@@ -12,9 +12,9 @@ from rlfleet.policy.microbatch import (
     MicroBatching,
     as_micro_batching,
     plan_micro_batches,
-    round_up,
     row_lengths,
 )
+from rlfleet.utils.intmath import round_up
 
 # transformers builds a block-diagonal causal mask (sdpa, eager) or runs the variable-length kernel
 # (flash_attention_2) from position ids that restart at 0, when no attention mask is given; sdpa_packed

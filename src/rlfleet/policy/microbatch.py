@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rlfleet.policy.batch import TrainBatch
-from rlfleet.utils.intmath import round_up as round_up  # logprobs.py imports it from here
+from rlfleet.utils.intmath import round_up
 
 PackingAlgorithm = Literal["first_fit_decreasing", "modified_first_fit_decreasing", "concatenative"]
 
