@@ -50,42 +50,42 @@ log = logging.getLogger("rlfleet")
 
 def model_source(cfg: MasterConfig) -> ModelSource:
     """Where every worker loads the policy from."""
-    p = cfg.policy
-    return ModelSource(p.model_name, p.precision, p.gguf_file, p.tokenizer.name)
+    policy = cfg.policy
+    return ModelSource(policy.model_name, policy.precision, policy.gguf_file, policy.tokenizer.name)
 
 
 def optimizer_settings(cfg: MasterConfig) -> OptimizerSettings:
-    p = cfg.policy
-    if p.optimizer.name not in ("torch.optim.AdamW", "AdamW"):  # the schema admits AdamW only
+    policy = cfg.policy
+    if policy.optimizer.name not in ("torch.optim.AdamW", "AdamW"):  # the schema admits AdamW only
         raise ValueError(
-            f"policy.optimizer.name={p.optimizer.name!r} is not supported; use torch.optim.AdamW"
+            f"policy.optimizer.name={policy.optimizer.name!r} is not supported; use torch.optim.AdamW"
         )
-    o = p.optimizer.kwargs
+    adamw = policy.optimizer.kwargs
     return OptimizerSettings(
-        lr=o.lr,
-        weight_decay=o.weight_decay,
-        betas=o.betas,
-        eps=o.eps,
-        warmup_steps=p.scheduler.warmup_steps,
-        warmup_start_factor=p.scheduler.warmup_start_factor,
-        max_grad_norm=p.max_grad_norm,
+        lr=adamw.lr,
+        weight_decay=adamw.weight_decay,
+        betas=adamw.betas,
+        eps=adamw.eps,
+        warmup_steps=policy.scheduler.warmup_steps,
+        warmup_start_factor=policy.scheduler.warmup_start_factor,
+        max_grad_norm=policy.max_grad_norm,
     )
 
 
 def lora_settings(cfg: MasterConfig) -> LoraSettings | None:
     """``policy.dtensor_cfg.lora_cfg`` for the model builder; None when LoRA is off."""
-    lo = cfg.policy.dtensor_cfg.lora_cfg
-    if not lo.enabled:
+    lora = cfg.policy.dtensor_cfg.lora_cfg
+    if not lora.enabled:
         return None
     return LoraSettings(
-        dim=lo.dim,
-        alpha=lo.alpha,
-        dropout=lo.dropout,
-        dropout_position=lo.dropout_position,
-        lora_A_init=lo.lora_A_init,
-        target_modules=tuple(lo.target_modules),
-        exclude_modules=tuple(lo.exclude_modules),
-        match_all_linear=lo.match_all_linear,
+        dim=lora.dim,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        dropout_position=lora.dropout_position,
+        lora_A_init=lora.lora_A_init,
+        target_modules=tuple(lora.target_modules),
+        exclude_modules=tuple(lora.exclude_modules),
+        match_all_linear=lora.match_all_linear,
     )
 
 
@@ -106,17 +106,17 @@ def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> Polic
 
 def vllm_settings(cfg: MasterConfig, seed: int) -> VLLMSettings:
     """The vLLM engine's settings: ``policy.generation.vllm_cfg`` with its nulls resolved."""
-    p = cfg.policy
-    v = p.generation.vllm_cfg
+    policy = cfg.policy
+    vllm = policy.generation.vllm_cfg
     return VLLMSettings(
-        precision=v.precision or p.precision,
-        max_model_len=v.max_model_len or p.max_total_sequence_length,
+        precision=vllm.precision or policy.precision,
+        max_model_len=vllm.max_model_len or policy.max_total_sequence_length,
         seed=seed,
-        enforce_eager=v.enforce_eager,
-        load_format=v.load_format,
-        gpu_memory_utilization=v.gpu_memory_utilization,
-        tensor_parallel_size=v.tensor_parallel_size,
-        engine_kwargs=dict(v.vllm_kwargs),
+        enforce_eager=vllm.enforce_eager,
+        load_format=vllm.load_format,
+        gpu_memory_utilization=vllm.gpu_memory_utilization,
+        tensor_parallel_size=vllm.tensor_parallel_size,
+        engine_kwargs=dict(vllm.vllm_kwargs),
     )
 
 
@@ -254,13 +254,13 @@ def micro_batching(cfg: MasterConfig, pass_: Pass) -> MicroBatching:
     """How ``pass_`` (training or logprobs) splits its rows: ``policy.sequence_packing``,
     ``policy.dynamic_batching`` (token budgets) or fixed rows (``train_micro_batch_size`` /
     ``logprob_batch_size``)."""
-    p = cfg.policy
-    rows, tokens = micro_batch_rows(p, pass_), micro_batch_tokens(p, pass_)
+    policy = cfg.policy
+    rows, tokens = micro_batch_rows(policy, pass_), micro_batch_tokens(policy, pass_)
     if tokens is None:
         return MicroBatching(rows)
-    if p.sequence_packing.enabled:
-        return MicroBatching(rows, tokens, pack=True, algorithm=p.sequence_packing.algorithm)
-    return MicroBatching(rows, tokens, round_to=p.dynamic_batching.sequence_length_round)
+    if policy.sequence_packing.enabled:
+        return MicroBatching(rows, tokens, pack=True, algorithm=policy.sequence_packing.algorithm)
+    return MicroBatching(rows, tokens, round_to=policy.dynamic_batching.sequence_length_round)
 
 
 def flop_meter(cfg: MasterConfig, policy: Policy, layout: ResourceLayout | None = None) -> FlopMeter | None:

@@ -108,19 +108,19 @@ class EvalReport:
 def run_eval(cfg: MasterConfig, checkpoint: Path | None = None) -> EvalReport:
     """Generates ``eval.num_tests_per_prompt`` responses per validation prompt and scores them."""
     start = time.perf_counter()
-    e, gen = cfg.eval, cfg.policy.generation
+    eval_cfg, gen = cfg.eval, cfg.policy.generation
     examples = load_task(cfg.data)  # every data row checked before the model loads
     layout = resource_layout(cfg)
-    policy, backend = build_policy(cfg, layout, seed=e.seed, keep_reference=False)
+    policy, backend = build_policy(cfg, layout, seed=eval_cfg.seed, keep_reference=False)
     try:
         if checkpoint is not None:
             policy.load_weights(checkpoint)
             backend.refit()
-        prompts = load_prompts(cfg, policy.tokenizer, e.max_val_samples or 10**9, examples).val
-        n, greedy = e.num_tests_per_prompt, e.num_tests_per_prompt == 1
+        prompts = load_prompts(cfg, policy.tokenizer, eval_cfg.max_val_samples or 10**9, examples).val
+        n, greedy = eval_cfg.num_tests_per_prompt, eval_cfg.num_tests_per_prompt == 1
         params = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k, greedy=greedy)
         with build_verifier(cfg, layout) as verifier:
-            rollouts, _ = sample_and_score(backend, prompts, verifier, n, params, e.seed)
+            rollouts, _ = sample_and_score(backend, prompts, verifier, n, params, eval_cfg.seed)
     finally:
         policy.close()
     correct = correct_per_group(rollouts, n)
@@ -131,9 +131,9 @@ def run_eval(cfg: MasterConfig, checkpoint: Path | None = None) -> EvalReport:
         num_prompts=len(prompts),
         samples_per_prompt=n,
         greedy=greedy,
-        k=e.pass_k_value,
+        k=eval_cfg.pass_k_value,
         pass_at_1=sum(pass_at_k(n, c, 1) for c in correct) / count,
-        pass_at_k=sum(pass_at_k(n, c, e.pass_k_value) for c in correct) / count,
+        pass_at_k=sum(pass_at_k(n, c, eval_cfg.pass_k_value) for c in correct) / count,
         mean_response_length=mean_response_length(rollouts),
         seconds=time.perf_counter() - start,
     )

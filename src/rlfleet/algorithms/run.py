@@ -77,13 +77,13 @@ def make_context(
     """
     loader = ResumableLoader(items, batch_size, shuffle=cfg.data.shuffle, seed=seed)
     total = min(max_num_steps, max_num_epochs * loader.batches_per_epoch)
-    c, lg = cfg.checkpointing, cfg.logger
+    ckpt = cfg.checkpointing
     checkpoints = (
-        CheckpointManager(Path(c.checkpoint_dir), c.metric_name, c.higher_is_better, c.keep_top_k)
-        if c.enabled
+        CheckpointManager(Path(ckpt.checkpoint_dir), ckpt.metric_name, ckpt.higher_is_better, ckpt.keep_top_k)
+        if ckpt.enabled
         else None
     )
-    logger = MetricsLogger.from_config(lg, run_config=cfg.model_dump(mode="json"))
+    logger = MetricsLogger.from_config(cfg.logger, run_config=cfg.model_dump(mode="json"))
     ctx = RunContext(cfg, policy, loader, logger, checkpoints, verifier, total_steps=total)
     try:
         resume(ctx)
@@ -171,8 +171,8 @@ def save_checkpoint(
 
 
 def should_checkpoint(ctx: RunContext) -> bool:
-    c = ctx.cfg.checkpointing
-    return c.enabled and (ctx.step % c.save_period == 0 or ctx.step == ctx.total_steps)
+    ckpt = ctx.cfg.checkpointing
+    return ckpt.enabled and (ctx.step % ckpt.save_period == 0 or ctx.step == ctx.total_steps)
 
 
 def should_validate(step: int, total: int, period: int, at_end: bool) -> bool:

@@ -39,18 +39,18 @@ class SFT:
         layout = resource_layout(cfg)  # computed once for the checks and the run
         check_config(cfg, "sft", layout=layout)
         ensure_runnable(cfg, layout=layout)
-        self.cfg, s = cfg, cfg.sft
+        self.cfg, sft = cfg, cfg.sft
         self.loss_fn = NLLLossFn(token_level=cfg.loss_fn.token_level_loss)
         self.train_batching = micro_batching(cfg, "train")  # rows, dynamic batching or packing
         self.ctx, self.backend, self.data = start_run(
             cfg,
             layout,
-            seed=s.seed,
+            seed=sft.seed,
             keep_reference=False,
-            max_val_samples=s.max_val_samples,
+            max_val_samples=sft.max_val_samples,
             batch_size=cfg.policy.train_global_batch_size,
-            max_num_steps=s.max_num_steps,
-            max_num_epochs=s.max_num_epochs,
+            max_num_steps=sft.max_num_steps,
+            max_num_epochs=sft.max_num_epochs,
         )
 
     def step(self) -> dict[str, float]:
@@ -71,15 +71,15 @@ class SFT:
         return evaluate(self.backend, self.data.val, self.ctx.verifier, params, seed).metrics("val")
 
     def train(self) -> dict[str, float]:
-        s = self.cfg.sft
+        sft = self.cfg.sft
         return run_loop(
             self.ctx,
             "sft",
             self.step,
             self.validate,
-            val_period=s.val_period,
-            val_at_start=s.val_at_start,
-            val_at_end=s.val_at_end,
+            val_period=sft.val_period,
+            val_at_start=sft.val_at_start,
+            val_at_end=sft.val_at_end,
         )
 
 
