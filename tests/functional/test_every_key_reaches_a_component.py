@@ -48,8 +48,8 @@ class ReadRecorder:
         return value
 
 
-def _unwrap_check(cfg: Any, algorithm: str) -> None:
-    check_config(object.__getattribute__(cfg, "_model"), algorithm)  # type: ignore[arg-type]
+def _unwrap_check(cfg: Any, algorithm: str, **kwargs: Any) -> None:
+    check_config(object.__getattribute__(cfg, "_model"), algorithm, **kwargs)  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -328,27 +328,24 @@ class GRPOSettings:
 
 
 def grpo_settings(cfg: MasterConfig, layout: ResourceLayout) -> GRPOSettings:
+    # every key is read whether or not its feature is on (a key nothing reads would be silently ignored)
     grpo, generation = cfg.grpo, cfg.policy.generation
-    shaping = grpo.reward_shaping
+    shaping_cfg = grpo.reward_shaping
+    shaping = OverlongShaping(
+        shaping_cfg.max_response_length or generation.max_new_tokens,
+        shaping_cfg.overlong_buffer_length,
+        shaping_cfg.overlong_buffer_penalty,
+    )
     dynamic = grpo.use_dynamic_sampling
+    per_round = int(grpo.num_prompts_per_step * grpo.batch_multiplier)
+    rounds = grpo.dynamic_sampling_max_gen_batches
+    max_age = grpo.async_grpo.max_trajectory_age_steps
     return GRPOSettings(
         loss_fn=loss_fn_from_config(cfg),
         group_size=grpo.num_generations_per_prompt,
-        prompts_per_round=(
-            int(grpo.num_prompts_per_step * grpo.batch_multiplier) if dynamic else grpo.num_prompts_per_step
-        ),
-        dynamic_sampling=(grpo.num_prompts_per_step, grpo.dynamic_sampling_max_gen_batches)
-        if dynamic
-        else None,
-        shaping=(
-            OverlongShaping(
-                shaping.max_response_length or generation.max_new_tokens,
-                shaping.overlong_buffer_length,
-                shaping.overlong_buffer_penalty,
-            )
-            if shaping.enabled
-            else None
-        ),
+        prompts_per_round=per_round if dynamic else grpo.num_prompts_per_step,
+        dynamic_sampling=(grpo.num_prompts_per_step, rounds) if dynamic else None,
+        shaping=shaping if shaping_cfg.enabled else None,
         sampling=SamplingParams(
             generation.max_new_tokens, generation.temperature, generation.top_p, generation.top_k
         ),
@@ -362,5 +359,5 @@ def grpo_settings(cfg: MasterConfig, layout: ResourceLayout) -> GRPOSettings:
         train_batching=micro_batching(cfg, "train"),
         logprob_batching=micro_batching(cfg, "logprob"),
         data_parallel=layout.train_dp,
-        max_trajectory_age=grpo.async_grpo.max_trajectory_age_steps if grpo.async_grpo.enabled else None,
+        max_trajectory_age=max_age if grpo.async_grpo.enabled else None,
     )
