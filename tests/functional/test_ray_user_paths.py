@@ -214,14 +214,14 @@ def async_run(model_dir: Path, run_dir: Path, *overrides: str) -> GRPO:
 
 def when_prefetching(run: GRPO, action: Any) -> None:
     """Runs ``action`` as the background collection of step 2 starts (while step 1 trains)."""
-    original = run._collect
+    original = run.collect
 
     def collect(step: int) -> Any:
         if step == 1:
             action()
         return original(step)
 
-    run._collect = collect  # type: ignore[method-assign]
+    run.collect = collect
 
 
 def assert_all_released(total_cpus: float) -> None:
