@@ -174,7 +174,9 @@ print("forked", made)
 @pytest.mark.timeout(60)
 def test_process_limit() -> None:
     """Five forks against a limit of 3 processes (the program is the first): the third fork fails. This is the
-    check the fork bomb below relies on (root ignores RLIMIT_NPROC: the uid drop is what makes it hold)."""
+    check the fork bomb below relies on (root ignores RLIMIT_NPROC: the uid drop is what makes it hold;
+    without root the limit also counts the caller's own processes)."""
+    needs_root_for_the_uid_drop()
     result = run_python(FORK_FIVE, replace(SMALL, max_processes=3))
     assert result.ok, result.observation
     assert "fork 2 failed: [Errno 11] Resource temporarily unavailable" in result.stdout
