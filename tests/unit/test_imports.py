@@ -133,7 +133,7 @@ LAYERS = [
     {"errors", "utils", "answers"},
     {"rewards"},
     {"config", "models"},
-    {"data", "generation", "checkpoint", "logging", "deploy"},
+    {"data", "generation", "checkpoint", "logging", "deploy", "environments"},
     {"policy"},
     {"distributed"},
     {"algorithms"},
