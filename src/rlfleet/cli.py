@@ -105,7 +105,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     recipe = str(target / "config.yaml") if checkpoint else args.target
     cfg = _load(recipe, args.overrides)
     ensure_runnable(cfg)
-    report = run_eval(cfg, checkpoint)
+    # the scored responses go beside the report, or under the recipe's log directory without one
+    out = Path(args.out) if args.out else None
+    samples = out.with_suffix(".samples.jsonl") if out else Path(cfg.logger.log_dir) / "eval_samples.jsonl"
+    report = run_eval(cfg, checkpoint, samples)
     print(report.table())
     if args.out:
         Path(args.out).write_text(report.to_json() + "\n")
@@ -154,7 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="pass@1 / pass@k of a recipe's model or of a checkpoint")
     p.add_argument("target", help="recipe (path or shipped name) or a step_N checkpoint directory")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--out", help="also write the report as JSON to this file")
+    p.add_argument(
+        "--out",
+        help="also write the report as JSON to this file, and every scored response to FILE.samples.jsonl "
+        "(else to logger.log_dir/eval_samples.jsonl)",
+    )
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
     p.add_argument("checkpoint", help="a step_N checkpoint directory")

@@ -154,6 +154,13 @@ def test_eval_of_a_checkpoint_counts_pass_at_k_and_uses_its_weights(
     assert report["mean_response_length"] == pytest.approx(sum(lengths) / len(lengths))
     assert f"pass@1       {pass_1:.4f}" in printed and f"pass@{k}" in printed and f"wrote {out}" in printed
 
+    # Every scored response is written beside the report, in order, so a user can read why it scored so.
+    samples_file = tmp_path / "report.samples.jsonl"
+    assert report["samples_file"] == str(samples_file) and f"samples      {samples_file}" in printed
+    written = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    assert written == [r.sample() for r in rollouts]
+    assert set(written[0]) == {"prompt", "response", "gold", "reward"}
+
     # The samples came from the checkpoint's weights: each token's sampling logprob is the checkpoint
     # model's (computed here from the step_4 files), and the base model's is measurably different.
     temperature = load_recipe(step_dir / "config.yaml").policy.generation.temperature

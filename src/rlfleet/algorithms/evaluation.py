@@ -17,6 +17,7 @@ from typing import Any
 
 from rlfleet.algorithms.builders import build_policy, build_verifier, load_prompts
 from rlfleet.algorithms.rollouts import (
+    Rollout,
     accuracy,
     correct_per_group,
     mean_response_length,
@@ -86,6 +87,7 @@ class EvalReport:
     pass_at_k: float
     mean_response_length: float
     seconds: float
+    samples_file: str | None = None  # every scored response (prompt, response, gold, reward), JSON lines
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -101,12 +103,25 @@ class EvalReport:
                 *([f"pass@{self.k:<7} {self.pass_at_k:.4f}"] if self.k > 1 else []),
                 f"mean length  {self.mean_response_length:.1f} tokens",
                 f"time         {self.seconds:.1f} s",
+                *([f"samples      {self.samples_file}"] if self.samples_file else []),
             ]
         )
 
 
-def run_eval(cfg: MasterConfig, checkpoint: Path | None = None) -> EvalReport:
-    """Generates ``eval.num_tests_per_prompt`` responses per validation prompt and scores them."""
+def write_samples(path: Path, rollouts: Sequence[Rollout]) -> None:
+    """Every scored response as a JSON line (``prompt``, ``response``, ``gold``, ``reward``), groups in order,
+    so a user can read why a model scores what it scores."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for rollout in rollouts:
+            f.write(json.dumps(rollout.sample()) + "\n")
+
+
+def run_eval(
+    cfg: MasterConfig, checkpoint: Path | None = None, samples_path: Path | None = None
+) -> EvalReport:
+    """Generates ``eval.num_tests_per_prompt`` responses per validation prompt and scores them; with
+    ``samples_path``, writes every scored response there (:func:`write_samples`)."""
     start = time.perf_counter()
     eval_cfg, gen = cfg.eval, cfg.policy.generation
     examples = load_task(cfg.data)  # every data row checked before the model loads
@@ -123,6 +138,8 @@ def run_eval(cfg: MasterConfig, checkpoint: Path | None = None) -> EvalReport:
             rollouts, _ = sample_and_score(backend, prompts, verifier, n, params, eval_cfg.seed)
     finally:
         policy.close()
+    if samples_path is not None:
+        write_samples(samples_path, rollouts)
     correct = correct_per_group(rollouts, n)
     count = max(len(prompts), 1)
     return EvalReport(
@@ -136,4 +153,5 @@ def run_eval(cfg: MasterConfig, checkpoint: Path | None = None) -> EvalReport:
         pass_at_k=sum(pass_at_k(n, c, eval_cfg.pass_k_value) for c in correct) / count,
         mean_response_length=mean_response_length(rollouts),
         seconds=time.perf_counter() - start,
+        samples_file=str(samples_path) if samples_path is not None else None,
     )
