@@ -17,7 +17,6 @@ from typing import Any
 
 from rlfleet.algorithms.builders import build_policy, build_verifier, load_prompts
 from rlfleet.algorithms.rollouts import (
-    Rollout,
     accuracy,
     correct_per_group,
     mean_response_length,
@@ -28,6 +27,7 @@ from rlfleet.config import MasterConfig
 from rlfleet.config.layout import resource_layout
 from rlfleet.data import Prompt, load_task
 from rlfleet.generation import GenerationBackend, SamplingParams
+from rlfleet.logging import write_jsonl
 from rlfleet.rewards import ScoringPool
 
 
@@ -108,20 +108,12 @@ class EvalReport:
         )
 
 
-def write_samples(path: Path, rollouts: Sequence[Rollout]) -> None:
-    """Every scored response as a JSON line (``prompt``, ``response``, ``gold``, ``reward``), groups in order,
-    so a user can read why a model scores what it scores."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for rollout in rollouts:
-            f.write(json.dumps(rollout.sample()) + "\n")
-
-
 def run_eval(
     cfg: MasterConfig, checkpoint: Path | None = None, samples_path: Path | None = None
 ) -> EvalReport:
     """Generates ``eval.num_tests_per_prompt`` responses per validation prompt and scores them; with
-    ``samples_path``, writes every scored response there (:func:`write_samples`)."""
+    ``samples_path``, writes every scored response there as JSON lines (``prompt``, ``response``, ``gold``,
+    ``reward``, groups in order), so a user can read why a model scores what it scores."""
     start = time.perf_counter()
     eval_cfg, gen = cfg.eval, cfg.policy.generation
     examples = load_task(cfg.data)  # every data row checked before the model loads
@@ -139,7 +131,7 @@ def run_eval(
     finally:
         policy.close()
     if samples_path is not None:
-        write_samples(samples_path, rollouts)
+        write_jsonl(samples_path, [r.sample() for r in rollouts])
     correct = correct_per_group(rollouts, n)
     count = max(len(prompts), 1)
     return EvalReport(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from rlfleet.logging.backends import MetricsBackendError, MlflowBackend, WandbBackend
 from rlfleet.logging.console import Progress, format_step_line
 from rlfleet.logging.logger import MetricsLogger
-from rlfleet.logging.metrics import MetricsBackend, read_metrics, scrub_secrets
+from rlfleet.logging.metrics import MetricsBackend, read_metrics, scrub_secrets, write_jsonl
 
 if TYPE_CHECKING:
     from rlfleet.logging.plot import plot_run
@@ -27,6 +27,7 @@ __all__ = [
     "plot_run",
     "read_metrics",
     "scrub_secrets",
+    "write_jsonl",
 ]
 
 

@@ -25,7 +25,7 @@ import logging as pylogging
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -166,6 +166,12 @@ def atomic_write_text(path: Path, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+
+
+def write_jsonl(path: Path, records: Iterable[Mapping[str, Any]]) -> None:
+    """Writes ``records`` as a whole JSON-lines file (atomically: a reader never sees half of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "".join(_dumps(record) + "\n" for record in records))
 
 
 class JsonlFile:
