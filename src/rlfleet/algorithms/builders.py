@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
@@ -224,8 +226,10 @@ def load_prompts(
     tokenizer: PreTrainedTokenizerBase,
     max_val_samples: int,
     examples: TaskExamples | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> TaskData:
-    """Renders the task's prompts; too-long prompts are dropped and counted.
+    """Renders the task's prompts; too-long prompts are dropped and counted. ``tools`` (an environment's tool
+    schemas) are rendered into each prompt by the chat template, where it supports them.
 
     ``examples`` are the task's rows when already read (``load_task(cfg.data)``, which checks every row, is
     cheap and runs before any model loads); None reads them here.
@@ -240,6 +244,7 @@ def load_prompts(
         system_prompt=system_prompt,
         max_prompt_tokens=budget,
         prompt_template=template,
+        tools=tools,
     )
     train, dropped_train = render(train_ex)
     val, dropped_val = render(val_ex[:max_val_samples])

@@ -1,9 +1,9 @@
 """The first stage of a GRPO step: collect a step's scored rollouts.
 
 A collector is any callable ``collect(step) -> Collected``: the GRPO loop asks it for step ``step``'s groups
-and never looks inside. :class:`SingleTurnCollector` is the one for single-turn tasks: draw prompts, sample
-``G`` responses each, score them, and with DAPO's dynamic sampling repeat until enough groups carry a signal.
-A multi-turn environment replaces this stage alone: it returns the same :class:`Collected`.
+and never looks inside. :class:`GroupCollector` draws prompts, samples ``G`` responses each and scores them
+(or, with environments, runs ``G`` multi-turn episodes each: :mod:`rlfleet.algorithms.episodes`), and with
+DAPO's dynamic sampling repeats until enough groups carry a signal.
 
 A collector may run in the background thread of asynchronous GRPO, so it touches the loader, the
 generation engines and the reward workers only, never the trainers.
@@ -12,10 +12,11 @@ generation engines and the reward workers only, never the trainers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rlfleet.algorithms.dynamic_sampling import SampledGroups, collect_informative_groups
+from rlfleet.algorithms.episodes import EpisodeRunner
 from rlfleet.algorithms.rollouts import Rollout, generate_rollouts, score
 from rlfleet.data import ResumableLoader
 from rlfleet.generation import GenerationBackend, SamplingParams
@@ -30,9 +31,10 @@ class Collected:
     Attributes:
         groups: The groups the step trains on (all of them, or DAPO's informative ones).
         drawn: Every rollout generated, informative or not (the step's reward and accuracy metrics).
-        reward_timeouts: Responses whose verification ran past its time bound.
-        reward_errors: Responses whose verification failed (a bad gold, say).
-        seconds: Wall time per phase (``generation``, ``reward``).
+        reward_timeouts: Responses whose verification (or environment step) ran past its time bound.
+        reward_errors: Responses whose verification (or environment step) failed (a bad gold, say).
+        seconds: Wall time per phase (``generation``, ``reward``; ``env`` with environments).
+        metrics: The episodes' metrics (``turns_per_episode``...; none for single responses), unprefixed.
     """
 
     groups: SampledGroups[Rollout]
@@ -40,6 +42,7 @@ class Collected:
     reward_timeouts: int
     reward_errors: int
     seconds: dict[str, float]
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutCollector(Protocol):
@@ -48,8 +51,9 @@ class RolloutCollector(Protocol):
     def __call__(self, step: int) -> Collected: ...
 
 
-class SingleTurnCollector:
-    """Prompts from the loader -> ``group_size`` sampled responses each -> rewards from the verifier.
+class GroupCollector:
+    """Prompts from the loader -> ``group_size`` sampled responses each -> rewards from the verifier; or, with
+    ``episodes``, ``group_size`` episodes each with the environments.
 
     Args:
         backend: The generation engines.
@@ -59,6 +63,7 @@ class SingleTurnCollector:
         group_size: ``G``, responses per prompt.
         seed_of: The sampling seed of ``(step, round)``.
         dynamic_sampling: DAPO's ``(target groups, most rounds)``; None keeps every group of one round.
+        episodes: Runs multi-turn episodes with the environments instead (``verifier`` is then unused).
     """
 
     def __init__(
@@ -70,18 +75,33 @@ class SingleTurnCollector:
         group_size: int,
         seed_of: Callable[[int, int], int],
         dynamic_sampling: tuple[int, int] | None,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         self.backend, self.verifier, self.loader = backend, verifier, loader
         self.sampling, self.group_size, self.seed_of = sampling, group_size, seed_of
         self.dynamic_sampling = dynamic_sampling
+        self.episodes = episodes
 
     def __call__(self, step: int) -> Collected:
         timer = PhaseTimer()
         drawn: list[Rollout] = []
         problems = [0, 0]
+        metrics: dict[str, list[float]] = {}
 
         def draw(round_index: int) -> list[Rollout]:
             prompts = self.loader.next_batch()
+            if self.episodes is not None:
+                batch = self.episodes.run(
+                    prompts, self.group_size, self.sampling, self.seed_of(step, round_index)
+                )
+                for phase, seconds in batch.seconds.items():
+                    timer.seconds[phase] = timer.seconds.get(phase, 0.0) + seconds
+                for key, value in batch.metrics.items():
+                    metrics.setdefault(key, []).append(value)
+                problems[0] += batch.num_timeouts
+                problems[1] += batch.num_errors
+                drawn.extend(batch.rollouts)
+                return batch.rollouts
             with timer("generation"):
                 pairs = generate_rollouts(
                     self.backend, prompts, self.group_size, self.sampling, self.seed_of(step, round_index)
@@ -104,4 +124,5 @@ class SingleTurnCollector:
                 target_groups=target_groups,
                 max_rounds=max_rounds,
             )
-        return Collected(groups, drawn, problems[0], problems[1], dict(timer.seconds))
+        means = {key: sum(values) / len(values) for key, values in metrics.items()}
+        return Collected(groups, drawn, problems[0], problems[1], dict(timer.seconds), means)

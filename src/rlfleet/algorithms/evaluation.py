@@ -16,7 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.algorithms.builders import build_policy, build_verifier, load_prompts
+from rlfleet.algorithms.envs import (
+    build_env_runners,
+    build_episode_runner,
+    close_runners,
+    environment_names,
+    uses_episodes,
+)
+from rlfleet.algorithms.episodes import EpisodeRunner
 from rlfleet.algorithms.rollouts import (
+    Rollout,
     accuracy,
     correct_per_group,
     mean_response_length,
@@ -25,7 +34,7 @@ from rlfleet.algorithms.rollouts import (
 )
 from rlfleet.config import MasterConfig
 from rlfleet.config.layout import resource_layout
-from rlfleet.data import Prompt, load_task
+from rlfleet.data import Prompt, load_task, resolve_system_prompt
 from rlfleet.generation import GenerationBackend, SamplingParams
 from rlfleet.logging import write_jsonl
 from rlfleet.rewards import ScoringPool
@@ -39,12 +48,14 @@ class EvalResult:
     reward: float
     mean_response_length: float
     samples: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, float] = field(default_factory=dict)  # the episodes' metrics (turns, tool calls...)
 
     def metrics(self, prefix: str = "val") -> dict[str, float]:
         return {
             f"{prefix}/accuracy": self.accuracy,
             f"{prefix}/reward": self.reward,
             f"{prefix}/mean_response_length": self.mean_response_length,
+            **{f"{prefix}/{key}": value for key, value in self.extra.items()},
         }
 
 
@@ -55,15 +66,34 @@ def evaluate(
     params: SamplingParams,
     seed: int,
     num_samples_to_keep: int = 4,
+    episodes: EpisodeRunner | None = None,
 ) -> EvalResult:
-    """Generates one response per prompt and scores it: fraction correct, mean reward, mean length."""
-    rollouts, _ = sample_and_score(backend, prompts, verifier, 1, params, seed)
+    """Generates one response (or, with ``episodes``, one episode) per prompt and scores it: fraction
+    correct, mean reward, mean length (and the episodes' metrics)."""
+    rollouts, metrics = scored_rollouts(backend, prompts, verifier, 1, params, seed, episodes)
     return EvalResult(
         accuracy=accuracy(rollouts),
         reward=mean_reward(rollouts),
         mean_response_length=mean_response_length(rollouts),
         samples=[r.sample() for r in rollouts[:num_samples_to_keep]],
+        extra=metrics,
     )
+
+
+def scored_rollouts(
+    backend: GenerationBackend,
+    prompts: Sequence[Prompt],
+    verifier: ScoringPool,
+    group_size: int,
+    params: SamplingParams,
+    seed: int,
+    episodes: EpisodeRunner | None,
+) -> tuple[list[Rollout], dict[str, float]]:
+    """``group_size`` scored responses per prompt, or episodes with the environments; and their metrics."""
+    if episodes is None:
+        return sample_and_score(backend, prompts, verifier, group_size, params, seed)[0], {}
+    batch = episodes.run(prompts, group_size, params, seed)
+    return batch.rollouts, batch.metrics
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -118,17 +148,30 @@ def run_eval(
     eval_cfg, gen = cfg.eval, cfg.policy.generation
     examples = load_task(cfg.data)  # every data row checked before the model loads
     layout = resource_layout(cfg)
-    policy, backend = build_policy(cfg, layout, seed=eval_cfg.seed, keep_reference=False)
+    rows = [*examples[0], *examples[1]]
+    runners = build_env_runners(cfg, layout, environment_names(cfg, rows) if uses_episodes(cfg, rows) else [])
+    try:
+        policy, backend = build_policy(cfg, layout, seed=eval_cfg.seed, keep_reference=False)
+    except BaseException:
+        close_runners(runners)
+        raise
     try:
         if checkpoint is not None:
             policy.load_weights(checkpoint)
             backend.refit()
-        prompts = load_prompts(cfg, policy.tokenizer, eval_cfg.max_val_samples or 10**9, examples).val
+        tools = runners[cfg.data.env_name].environment.tools if runners else None
+        limit = eval_cfg.max_val_samples or 10**9
+        prompts = load_prompts(cfg, policy.tokenizer, limit, examples, tools=tools).val
         n, greedy = eval_cfg.num_tests_per_prompt, eval_cfg.num_tests_per_prompt == 1
         params = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k, greedy=greedy)
+        episodes = None
+        if runners:
+            system_prompt = resolve_system_prompt(cfg.data)
+            episodes = build_episode_runner(cfg, layout, backend, policy.tokenizer, runners, system_prompt)
         with build_verifier(cfg, layout) as verifier:
-            rollouts, _ = sample_and_score(backend, prompts, verifier, n, params, eval_cfg.seed)
+            rollouts, _ = scored_rollouts(backend, prompts, verifier, n, params, eval_cfg.seed, episodes)
     finally:
+        close_runners(runners)
         policy.close()
     if samples_path is not None:
         write_jsonl(samples_path, [r.sample() for r in rollouts])

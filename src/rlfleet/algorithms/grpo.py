@@ -43,7 +43,7 @@ import torch
 from rlfleet.algorithms.advantages import group_advantages, zero_variance_fraction
 from rlfleet.algorithms.async_rollouts import RolloutPrefetcher
 from rlfleet.algorithms.builders import GRPOSettings, flop_meter, grpo_settings
-from rlfleet.algorithms.collect import Collected, SingleTurnCollector
+from rlfleet.algorithms.collect import Collected, GroupCollector
 from rlfleet.algorithms.dynamic_sampling import trainable_rows
 from rlfleet.algorithms.evaluation import evaluate
 from rlfleet.algorithms.overlong import mask_truncated
@@ -62,6 +62,7 @@ def rollout_batch(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_tok
         [r.result.token_ids for r in rollouts],
         pad_token_id,
         [r.result.logprobs for r in rollouts],
+        [r.mask for r in rollouts],
     )
     return batch.with_(advantages=advantages)
 
@@ -136,8 +137,9 @@ class GRPO:
             batch_size=self.settings.prompts_per_round,
             max_num_steps=grpo.max_num_steps,
             max_num_epochs=grpo.max_num_epochs,
+            with_environments=True,
         )
-        self.collect = SingleTurnCollector(
+        self.collect = GroupCollector(
             self.backend,
             self.ctx.verifier,
             self.ctx.loader,
@@ -145,6 +147,7 @@ class GRPO:
             self.settings.group_size,
             self._round_seed,
             self.settings.dynamic_sampling,
+            episodes=self.ctx.episodes,
         )
         try:
             self.flops = flop_meter(cfg, self.ctx.policy, layout)  # MFU on GPUs with a known peak
@@ -227,6 +230,7 @@ class GRPO:
         metrics = rollout_metrics(drawn, raw_rewards(drawn), self.settings.group_size)
         metrics["train/reward_timeouts"] = collected.reward_timeouts
         metrics["train/reward_errors"] = collected.reward_errors
+        metrics.update({f"train/{key}": value for key, value in collected.metrics.items()})
         if self.settings.dynamic_sampling is not None:
             metrics.update(collected.groups.metrics())
         if self.prefetcher is not None:
@@ -238,7 +242,7 @@ class GRPO:
         rewards = raw_rewards(rollouts)
         if self.settings.shaping is None:
             return rewards
-        lengths = torch.tensor([len(r.result.token_ids) for r in rollouts])
+        lengths = torch.tensor([r.num_response_tokens for r in rollouts])
         shaped = self.settings.shaping.apply(rewards, lengths)
         metrics["train/shaped_reward"] = float(shaped.mean())
         return shaped
@@ -320,7 +324,12 @@ class GRPO:
     def validate(self) -> dict[str, float]:
         seed = step_seed(self.cfg.grpo.seed, self.ctx.step, salt=1)
         result = evaluate(
-            self.backend, self.data.val, self.ctx.verifier, self.settings.validation_sampling, seed
+            self.backend,
+            self.data.val,
+            self.ctx.verifier,
+            self.settings.validation_sampling,
+            seed,
+            episodes=self.ctx.episodes,
         )
         return result.metrics("val")
 

@@ -8,7 +8,7 @@ validation and evaluation call :func:`sample_and_score`. Whether a response is c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rlfleet.data import Prompt
@@ -19,20 +19,46 @@ from rlfleet.rewards.correctness import is_correct
 
 @dataclass(frozen=True)
 class Rollout:
-    """One sampled response to one prompt, with its reward."""
+    """One sampled response to one prompt (or one multi-turn episode), with its reward.
+
+    Attributes:
+        prompt: The prompt.
+        result: The tokens after the prompt and their logprobs (an episode's: every turn and observation).
+        reward: The reward (an episode's return).
+        mask: 1 on the tokens the model sampled, 0 on observation tokens; None: every token is sampled.
+        conversation: An episode's messages, turn by turn; None for a single response.
+        info: An episode's counters (``turns``, ``cut``, ``tool_calls``...).
+    """
 
     prompt: Prompt
     result: GenerationResult
     reward: float
+    mask: tuple[int, ...] | None = None
+    conversation: tuple[dict[str, str], ...] | None = None
+    info: Mapping[str, float] | None = None
 
     @property
     def correct(self) -> bool:
         return is_correct(self.reward)
 
+    @property
+    def num_response_tokens(self) -> int:
+        """Tokens the model generated (observation tokens excluded)."""
+        return len(self.result.token_ids) if self.mask is None else sum(self.mask)
+
     def sample(self) -> dict[str, object]:
-        """The record ``samples.jsonl`` keeps of this rollout."""
+        """The record ``samples.jsonl`` keeps of this rollout (an episode's whole conversation)."""
         ex = self.prompt.example
-        return {"prompt": ex.question, "response": self.result.text, "gold": ex.gold, "reward": self.reward}
+        record: dict[str, object] = {
+            "prompt": ex.question,
+            "response": self.result.text,
+            "gold": ex.gold,
+            "reward": self.reward,
+        }
+        if self.conversation is not None:
+            record["conversation"] = list(self.conversation)
+            record.update(self.info or {})
+        return record
 
 
 def generate_rollouts(
@@ -76,7 +102,7 @@ def mean_reward(rollouts: Sequence[Rollout]) -> float:
 
 def mean_response_length(rollouts: Sequence[Rollout]) -> float:
     """Mean response length in tokens (0.0 for none)."""
-    return sum(len(r.result.token_ids) for r in rollouts) / max(len(rollouts), 1)
+    return sum(r.num_response_tokens for r in rollouts) / max(len(rollouts), 1)
 
 
 def correct_per_group(rollouts: Sequence[Rollout], group_size: int) -> list[int]:

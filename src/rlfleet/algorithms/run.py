@@ -15,10 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.algorithms.builders import TaskData, build_policy, build_verifier, load_prompts
+from rlfleet.algorithms.envs import (
+    build_env_runners,
+    build_episode_runner,
+    close_runners,
+    environment_names,
+    uses_episodes,
+)
+from rlfleet.algorithms.episodes import EpisodeRunner
 from rlfleet.checkpoint import CheckpointManager
 from rlfleet.config import MasterConfig, config_to_yaml
 from rlfleet.config.layout import ResourceLayout
-from rlfleet.data import ResumableLoader, load_task
+from rlfleet.data import ResumableLoader, load_task, resolve_system_prompt
 from rlfleet.generation import GenerationBackend
 from rlfleet.logging import MetricsLogger, Progress, format_step_line, plot_run, read_metrics
 from rlfleet.policy.interface import Policy
@@ -48,6 +56,7 @@ class RunContext:
     total_steps: int
     step: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
+    episodes: EpisodeRunner | None = None  # multi-turn episodes with the recipe's environments, if used
 
     def training_info(self, step_metrics: dict[str, float], loader_state: dict[str, Any]) -> dict[str, Any]:
         """Counters, the latest value of every metric (ranks checkpoints), and this step's log record.
@@ -103,20 +112,27 @@ def start_run(
     batch_size: int,
     max_num_steps: int,
     max_num_epochs: int,
+    with_environments: bool = False,
 ) -> tuple[RunContext, GenerationBackend, TaskData]:
-    """Starts a loop's components (policy and generation, reward workers, data, context) and resumes.
+    """Starts a loop's components (policy and generation, reward workers, environments when the task uses
+    them and ``with_environments``, data, context) and resumes.
 
     When any step fails, whatever was already started (Ray actors, reward worker processes, loggers) is
     released before the error propagates; once this returns, the context owns it all and :func:`run_loop`
     releases it at the end.
     """
     examples = load_task(cfg.data)  # every data row checked before anything expensive starts
+    episodic = with_environments and uses_episodes(cfg, [*examples[0], *examples[1]])
+    names = environment_names(cfg, [*examples[0], *examples[1]]) if episodic else []
     with ExitStack() as started:
+        runners = build_env_runners(cfg, layout, names)  # every class built once: a bad one fails here
+        started.callback(close_runners, runners)
         policy, backend = build_policy(cfg, layout, seed=seed, keep_reference=keep_reference)
         started.callback(policy.close)
         verifier = build_verifier(cfg, layout)
         started.callback(verifier.close)
-        data = load_prompts(cfg, policy.tokenizer, max_val_samples, examples)
+        tools = runners[cfg.data.env_name].environment.tools if episodic else None
+        data = load_prompts(cfg, policy.tokenizer, max_val_samples, examples, tools=tools)
         ctx = make_context(
             cfg,
             policy,
@@ -128,6 +144,11 @@ def start_run(
             max_num_epochs=max_num_epochs,
         )
         started.callback(ctx.logger.close, failed=True)
+        if episodic:
+            system_prompt = resolve_system_prompt(cfg.data)
+            ctx.episodes = build_episode_runner(
+                cfg, layout, backend, policy.tokenizer, runners, system_prompt
+            )
         if ctx.step > 0:
             backend.refit()  # resumed weights reach engines that hold their own copy
         started.pop_all()
@@ -234,6 +255,8 @@ def closing_run(ctx: RunContext) -> Iterator[None]:
     finally:
         try:
             ctx.verifier.close()
+            if ctx.episodes is not None:
+                close_runners(ctx.episodes.environments)
             ctx.policy.close()
         finally:
             ctx.logger.close(failed=failed)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class Strict(BaseModel):
@@ -57,6 +57,9 @@ class GRPOConfig(Strict):
     num_generations_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the group size G).")
     max_num_steps: int = Field(100, ge=0, description="Stop after this many GRPO steps.")
     max_num_epochs: int = Field(1, ge=1, description="Stop after this many passes over the training prompts.")
+    max_rollout_turns: int = Field(
+        1, ge=1, description="Model turns per episode (environments that answer tool calls need several)."
+    )
     normalize_rewards: bool = Field(True, description="Divide advantages by a std (where std > 0).")
     use_leave_one_out_baseline: bool = Field(True, description="Baseline = mean of the *other* samples.")
     advantage_std: Literal["baseline_samples", "group"] = Field(
@@ -400,18 +403,87 @@ class DataConfig(Strict):
     system_prompt: str | None = Field(None, description="System message (or use system_prompt_file).")
     on_bad_row: Literal["error", "skip"] = Field("error", description="Malformed rows: stop, or skip+count.")
     max_input_seq_length: int | None = Field(None, ge=1, description="Longer prompts are dropped.")
+    env_name: str = Field("math", description="The environment of rows that name none (a row's task_name).")
     shuffle: bool = True
     arithmetic: ArithmeticConfig = ArithmeticConfig()
 
 
 class MathEnvConfig(Strict):
+    """The ``math`` environment (single turn): the reward function scores the response against the gold."""
+
     num_workers: int = Field(8, ge=1, description="Verifier worker processes.")
     timeout_s: float = Field(5.0, gt=0.0, description="Per-response verification time bound (reward 0).")
     reward_fn: str = Field("rlfleet.rewards.math_reward", description="Dotted path of the reward function.")
 
 
+class ToolsEnvConfig(Strict):
+    """The ``tools`` environment: the model calls tools (``<tool_call>`` JSON) until it answers; the answer is
+    scored by ``reward_fn`` as in ``math``."""
+
+    num_workers: int = Field(
+        0, ge=0, description="Worker processes (Ray actors on Ray) stepping episodes; 0: in the trainer."
+    )
+    timeout_s: float = Field(30.0, gt=0.0, description="Per-item step time bound in workers (reward 0).")
+    tools: list[Literal["calculator", "python"]] = Field(["calculator", "python"], min_length=1)
+    max_tool_calls: int = Field(8, ge=1, description="Tool calls allowed per episode.")
+    reward_fn: str = Field("rlfleet.rewards.math_reward", description="Dotted path scoring the final answer.")
+    sandbox_cpu_seconds: int = Field(5, ge=1, description="CPU seconds of one python tool call.")
+    sandbox_wall_seconds: float = Field(10.0, gt=0.0, description="Wall-clock bound of one python tool call.")
+
+
+class CodeEnvConfig(Strict):
+    """The ``code`` environment: the reward is the fraction of the task's tests that pass in the sandbox."""
+
+    num_workers: int = Field(2, ge=0, description="Worker processes (Ray actors on Ray); 0: in the trainer.")
+    timeout_s: float = Field(30.0, gt=0.0, description="Per-item step time bound in workers (reward 0).")
+    terminate_on_evaluation: bool = Field(
+        True, description="One attempt; false: failing tests come back and the model may try again."
+    )
+    cpu_seconds: int = Field(5, ge=1, description="CPU seconds of one test run.")
+    wall_seconds: float = Field(10.0, gt=0.0, description="Wall-clock bound of one test run.")
+
+
+class CustomEnvConfig(Strict):
+    """A user's environment: ``env.<name>.environment`` is the import path of its class."""
+
+    environment: str = Field(description="Import path of an EnvironmentInterface subclass (pkg.mod:Class).")
+    num_workers: int = Field(0, ge=0, description="Worker processes (Ray actors on Ray); 0: in the trainer.")
+    timeout_s: float = Field(60.0, gt=0.0, description="Per-item step time bound in workers (reward 0).")
+    cfg: dict[str, Any] = Field({}, description="Passed to the class's constructor.")
+
+
 class EnvConfig(Strict):
+    """Environments by name: the built-in ``math``, ``tools`` and ``code``, and any other name for a user's
+    environment (``env.<name>.environment: my_pkg.envs:MyEnv``, see :class:`CustomEnvConfig`)."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
     math: MathEnvConfig = MathEnvConfig()
+    tools: ToolsEnvConfig = ToolsEnvConfig()
+    code: CodeEnvConfig = CodeEnvConfig()
+
+    @model_validator(mode="after")
+    def _custom_environments(self) -> EnvConfig:
+        extra = self.__pydantic_extra__ or {}
+        for name, value in list(extra.items()):
+            if isinstance(value, CustomEnvConfig):
+                continue
+            try:
+                extra[name] = CustomEnvConfig.model_validate(value)
+            except ValidationError as exc:
+                problems = "; ".join(
+                    f"env.{name}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
+                )
+                raise ValueError(
+                    f"env.{name} is not a built-in environment (math, tools, code), so it must be a user's: "
+                    f"env.{name}.environment (import path of the class), num_workers, timeout_s, cfg "
+                    f"({problems})"
+                ) from None
+        return self
+
+    def custom(self) -> dict[str, CustomEnvConfig]:
+        """The user's environments, by name."""
+        return {name: value for name, value in (self.__pydantic_extra__ or {}).items()}
 
 
 # --------------------------------------------------------------------------------------------- logging etc.

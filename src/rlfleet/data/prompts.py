@@ -9,9 +9,10 @@ NeMo RL does, so prompt text matches it byte for byte.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from string import Formatter
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -95,15 +96,18 @@ def render_prompt(
     question: str,
     system_prompt: str | None,
     prompt_template: str | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
-    """Applies the prompt template, then the chat template (with the generation prompt), to one question."""
+    """Applies the prompt template, then the chat template (with the generation prompt and ``tools``' schemas,
+    which templates that support tools render), to one question."""
     if tokenizer.chat_template is None:
         raise ValueError(
             "the tokenizer has no chat template; use an instruct/chat model or a tokenizer that defines one"
         )
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": apply_prompt_template(prompt_template, question)})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    schemas: list[dict[Any, Any] | Callable[..., Any]] | None = [dict(t) for t in tools] if tools else None
+    text = tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
     assert isinstance(text, str)  # tokenize=False: the rendered text
     return text
 
@@ -115,6 +119,7 @@ def build_prompts(
     system_prompt: str | None,
     max_prompt_tokens: int | None,
     prompt_template: str | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[list[Prompt], int]:
     """Renders and tokenises ``examples``; drops prompts longer than ``max_prompt_tokens``.
 
@@ -133,7 +138,7 @@ def build_prompts(
     prompts: list[Prompt] = []
     dropped = 0
     for ex in examples:
-        text = render_prompt(tokenizer, ex.question, system_prompt, prompt_template)
+        text = render_prompt(tokenizer, ex.question, system_prompt, prompt_template, tools)
         ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
             dropped += 1

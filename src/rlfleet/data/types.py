@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -13,11 +15,15 @@ class Example:
         question: The problem statement shown to the model.
         answer: The worked solution ending in ``#### N`` (the SFT target).
         gold: The final answer alone (``"72"``), what rewards compare against.
+        env: The environment that scores the row (a data row's ``task_name``); None: the recipe's default.
+        extra: What else the environment reads of the row (a code task's tests), as its metadata.
     """
 
     question: str
     answer: str
     gold: str
+    env: str | None = None
+    extra: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
 
 
 @dataclass(frozen=True)

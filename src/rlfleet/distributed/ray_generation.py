@@ -125,8 +125,15 @@ class RayGeneration:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
     ) -> list[GenerationResult]:
-        seeds = row_seeds(seed, len(prompts))
-        return self._retrying(lambda: self._generate(prompts, params, seeds))
+        return self.generate_rows(prompts, params, row_seeds(seed, len(prompts)))
+
+    def generate_rows(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
+    ) -> list[GenerationResult]:
+        """One response per prompt, row ``i`` sampled from ``seeds[i]`` alone, split over the engines."""
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        return self._retrying(lambda: self._generate(prompts, params, list(seeds)))
 
     def _engine_ranks(self) -> list[int]:
         """The ranks that host an engine: every dedicated worker; colocated, the first rank of each group

@@ -7,7 +7,14 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from rlfleet.generation.interface import GenerationResult, SamplingParams
 from rlfleet.generation.sampling import SeededRowSampler, row_seeds
@@ -109,6 +116,7 @@ class HFGenerationBackend:
             output_scores=False,
         )
         sampler = None if params.greedy else SeededRowSampler(seeds, params, prompt_width=width)
+        stops = StopStrings(self.tokenizer, params.stop_strings, len(prompts), width)
         device = self.model.device
         # A float32 master module shared with the trainer computes in the trainer's compute dtype.
         with torch.autocast(device.type, dtype=self.compute_dtype, enabled=self.compute_dtype is not None):
@@ -118,22 +126,60 @@ class HFGenerationBackend:
                 attention_mask=attention.to(device),
                 generation_config=config,
                 logits_processor=LogitsProcessorList([] if sampler is None else [sampler]),
+                stopping_criteria=StoppingCriteriaList([stops] if params.stop_strings else []),
             )
         new_tokens = sequences[:, width:].cpu()  # [B, N]
         logprobs = None if sampler is None else sampler.logprobs().cpu()  # [B, N]
         if logprobs is not None and logprobs.shape != new_tokens.shape:
             raise RuntimeError(f"sampler saw {logprobs.shape[1]} steps, generate made {new_tokens.shape[1]}")
-        return [self._result(new_tokens[i], logprobs, i, eos) for i in range(len(prompts))]
+        return [self._result(new_tokens[i], logprobs, i, eos, stops.lengths[i]) for i in range(len(prompts))]
 
-    def _result(self, row: torch.Tensor, logprobs: torch.Tensor | None, i: int, eos: int) -> GenerationResult:
+    def _result(
+        self, row: torch.Tensor, logprobs: torch.Tensor | None, i: int, eos: int, stopped_at: int | None
+    ) -> GenerationResult:
         ids = row.tolist()
-        finished = eos in ids
-        length = ids.index(eos) + 1 if finished else len(ids)
+        ends = [n for n in (ids.index(eos) + 1 if eos in ids else None, stopped_at) if n is not None]
+        finished = bool(ends)
+        length = min(ends) if ends else len(ids)
         ids = ids[:length]
         lps = tuple(logprobs[i, :length].tolist()) if logprobs is not None else (0.0,) * length
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         assert isinstance(text, str)  # one sequence decodes to one string
         return GenerationResult(token_ids=tuple(ids), logprobs=lps, text=text, finished=finished)
+
+
+class StopStrings(StoppingCriteria):
+    """Ends each row after the token that completes one of ``stop_strings`` in its new text, and records
+    where (``lengths[i]``: the row's new tokens up to and including that one).
+
+    Each step decodes only a tail of the row long enough to hold the longest stop string (every token decodes
+    to at least one character, special tokens included), so a check costs the same at every length.
+    """
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, stop_strings: Sequence[str], rows: int, prompt_width: int
+    ) -> None:
+        self.tokenizer, self.stop_strings, self.prompt_width = tokenizer, tuple(stop_strings), prompt_width
+        self.window = max((len(s) for s in self.stop_strings), default=0) + 1
+        self.lengths: list[int | None] = [None] * rows
+
+    def __call__(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: object
+    ) -> torch.BoolTensor:
+        new = input_ids.shape[1] - self.prompt_width
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        if not self.stop_strings:
+            return done  # type: ignore[return-value]
+        tails = input_ids[:, max(self.prompt_width, input_ids.shape[1] - self.window) :].tolist()
+        for i, tail in enumerate(tails):
+            if self.lengths[i] is not None:
+                done[i] = True
+                continue
+            text = self.tokenizer.decode(tail[-min(new, self.window) :], skip_special_tokens=False)
+            if any(stop in text for stop in self.stop_strings):
+                self.lengths[i] = new
+                done[i] = True
+        return done  # type: ignore[return-value]
 
 
 def length_sorted_batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:

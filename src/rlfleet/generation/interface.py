@@ -9,13 +9,18 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. ``greedy`` ignores temperature, top-p and top-k."""
+    """How to sample. ``greedy`` ignores temperature, top-p and top-k.
+
+    ``stop_strings``: a response also ends after the token that completes one of these strings (that token
+    is kept, so the response holds exactly the tokens sampled: an environment's ``</tool_call>``).
+    """
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
     greedy: bool = False
+    stop_strings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,7 @@ class GenerationResult:
         logprobs: The logprob of each response token under ``softmax(logits / temperature)`` over
             the full vocabulary, before top-k/top-p (0.0 when greedy).
         text: The response decoded without special tokens.
-        finished: True when the model emitted EOS before ``max_new_tokens``.
+        finished: True when the model emitted EOS, or completed a stop string, before ``max_new_tokens``.
     """
 
     token_ids: tuple[int, ...]
@@ -43,6 +48,13 @@ class GenerationBackend(Protocol):
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
     ) -> list[GenerationResult]:
         """Samples one response per prompt; the same ``seed`` and inputs give the same outputs."""
+        ...
+
+    def generate_rows(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
+    ) -> list[GenerationResult]:
+        """One response per prompt, row ``i`` sampled from ``seeds[i]`` alone (``generate`` draws them from
+        ``row_seeds(seed, len(prompts))``), in the prompts' order."""
         ...
 
     def refit(self) -> None:

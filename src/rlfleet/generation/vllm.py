@@ -287,7 +287,10 @@ class VLLMGenerationBackend:
                 max_tokens=params.max_new_tokens,
                 logprobs=None if params.greedy else 0,  # 0: the sampled token's logprob only
                 stop_token_ids=[eos],
-                detokenize=False,
+                # stop strings need the text; the completing token is kept (token in, token out)
+                stop=list(params.stop_strings) or None,
+                include_stop_str_in_output=True,
+                detokenize=bool(params.stop_strings),
             )
             for row_seed in seeds
         ]

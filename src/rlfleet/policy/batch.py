@@ -87,8 +87,13 @@ def collate(
     responses: Sequence[Sequence[int]],
     pad_token_id: int,
     response_logprobs: Sequence[Sequence[float]] | None = None,
+    response_masks: Sequence[Sequence[int] | None] | None = None,
 ) -> TrainBatch:
-    """Builds a right-padded batch from prompt and response token lists (one pair per sample)."""
+    """Builds a right-padded batch from prompt and response token lists (one pair per sample).
+
+    ``response_masks[i]`` (when given and not None) marks which of response ``i``'s tokens the model sampled
+    (a multi-turn episode's observation tokens are 0): only those are in ``response_mask``.
+    """
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     length = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
@@ -101,7 +106,13 @@ def collate(
         end = len(p) + len(r)
         input_ids[i, :end] = torch.tensor([*p, *r], dtype=torch.long)
         attention[i, :end] = 1
-        response_mask[i, len(p) : end] = 1.0
+        mask = None if response_masks is None else response_masks[i]
+        if mask is None:
+            response_mask[i, len(p) : end] = 1.0
+        else:
+            if len(mask) != len(r):
+                raise ValueError(f"response {i}: {len(r)} tokens but a mask of {len(mask)}")
+            response_mask[i, len(p) : end] = torch.tensor(mask, dtype=torch.float32)
         if gen_lp is not None and response_logprobs is not None:
             gen_lp[i, len(p) : end] = torch.tensor(response_logprobs[i], dtype=torch.float32)
     return TrainBatch(input_ids, attention, response_mask, generation_logprobs=gen_lp)

@@ -25,6 +25,7 @@ from rlfleet.rewards.verify import VerificationTimeout, symbolic_match, time_bud
 DEFAULT_TIMEOUT_S = 5.0
 """Wall-clock budget of one in-process :func:`math_reward` call (the ``env.math.timeout_s`` default)."""
 
+
 def answers_match(response: str, gold: str) -> bool:
     """Whether the final answer of ``response`` equals ``gold`` (:func:`gold_answer` of it): exactly for
     plain numbers, else by math-verify. Not time-bounded: see :func:`math_reward` and

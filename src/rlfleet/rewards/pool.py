@@ -35,23 +35,25 @@ import signal
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from types import TracebackType
-from typing import Generic, Literal, Self, TypeVar
+from typing import Any, Generic, Literal, Self, TypeVar
 
 from rlfleet.rewards.loading import RewardFn, load_reward_fn
 from rlfleet.rewards.verify import VerificationTimeout, time_budget
 
-Item = tuple[str, str, str]
-"""``(prompt, response, gold)``."""
+Item = tuple[Any, ...]
+"""The arguments of one call: ``(prompt, response, gold)`` for a reward function."""
+Convert = Callable[[Any], Any]
+"""Checks and converts what the function returned (``float`` for rewards); raising counts as an error."""
 ErrorText = tuple[str, str]
 """``(exception type name, message)`` of a reward function that raised."""
-Scored = tuple[int, float, ErrorText | None]
-"""``(status, reward, error)`` of one item, as a worker sends it back."""
+Scored = tuple[int, Any, ErrorText | None]
+"""``(status, value, error)`` of one item, as a worker sends it back."""
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,15 @@ MAX_STARTUP_FAILURES = 3
 _PIPELINE_DEPTH = 2
 _PRELOAD = ["rlfleet.rewards"]
 _MAX_ERROR_CHARS = 1_000
+
+
+@dataclass(frozen=True)
+class PoolResult:
+    """The values of one batch, in input order: None for an item that timed out or failed."""
+
+    values: list[Any]
+    num_timeouts: int = 0
+    num_errors: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,11 +94,11 @@ class RewardBatch:
 # ------------------------------------------------------------------------------------------- worker side
 
 
-def score_one(fn: RewardFn, item: Item, soft_timeout_s: float) -> Scored:
+def score_one(fn: Callable[..., Any], item: Item, soft_timeout_s: float, convert: Convert = float) -> Scored:
     """Scores one item within a soft budget; any failure of the reward function is a counted 0.0."""
     try:
         with time_budget(soft_timeout_s):
-            value = float(fn(*item))
+            value = convert(fn(*item))
     except VerificationTimeout:
         return STATUS_TIMEOUT, 0.0, None
     except Exception as exc:  # the parent counts it and logs the first one of its type
@@ -95,7 +106,7 @@ def score_one(fn: RewardFn, item: Item, soft_timeout_s: float) -> Scored:
     return STATUS_OK, value, None
 
 
-def _worker_main(conn: Connection, reward: RewardFn | str, soft_timeout_s: float) -> None:
+def _worker_main(conn: Connection, reward: RewardFn | str, soft_timeout_s: float, convert: Convert) -> None:
     """Loads the reward function, says it is ready, then scores lists of ``(index, item)`` until None.
 
     One result message per item, sent as soon as it is known: the parent times each item from the answer
@@ -112,7 +123,7 @@ def _worker_main(conn: Connection, reward: RewardFn | str, soft_timeout_s: float
         if chunk is None:
             return
         for index, item in chunk:
-            conn.send((index, *score_one(fn, item, soft_timeout_s)))
+            conn.send((index, *score_one(fn, item, soft_timeout_s, convert)))
 
 
 # ------------------------------------------------------------------------------------------- parent side
@@ -131,7 +142,7 @@ class _Worker:
 class PendingItems:
     def __init__(self, items: Sequence[Item]) -> None:
         self.items = items
-        self.rewards = [0.0] * len(items)
+        self.values: list[Any] = [None] * len(items)
         self.pending = deque(range(len(items)))
         self.remaining = len(items)
         self.retried: set[int] = set()
@@ -146,8 +157,8 @@ class PendingItems:
     def requeue(self, indices: Sequence[int]) -> None:
         self.pending.extendleft(reversed(indices))
 
-    def record(self, index: int, status: int, value: float, error: ErrorText | None = None) -> None:
-        self.rewards[index] = value if status == STATUS_OK else 0.0
+    def record(self, index: int, status: int, value: Any, error: ErrorText | None = None) -> None:
+        self.values[index] = value if status == STATUS_OK else None
         self.num_timeouts += status == STATUS_TIMEOUT
         self.num_errors += status == STATUS_ERROR
         if error is not None:
@@ -188,12 +199,16 @@ class ScoringPool(ABC):
         reward_fn: A top-level reward function or its dotted path (``env.math.reward_fn``).
         num_workers: Workers (>= 1).
         timeout_s: Wall-clock bound on one response.
+        convert: Applied to each value the function returns, in the worker (``float`` for rewards; a
+            top-level function, so that it can be sent to the workers).
 
     Raises:
         ValueError: A bad argument, or a reward function that cannot be imported or sent to a worker.
     """
 
-    def __init__(self, reward_fn: RewardFn | str, num_workers: int, timeout_s: float) -> None:
+    def __init__(
+        self, reward_fn: RewardFn | str, num_workers: int, timeout_s: float, convert: Convert = float
+    ) -> None:
         if num_workers < 1:
             raise ValueError(
                 f"num_workers must be >= 1, got {num_workers}: responses are checked in workers so that a "
@@ -202,6 +217,7 @@ class ScoringPool(ABC):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self._reward = checked_reward(reward_fn)
+        self._convert = convert
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self._closed = False
@@ -230,9 +246,19 @@ class ScoringPool(ABC):
     ) -> None:
         self.close()
 
-    @abstractmethod
     def score(self, items: Sequence[Item]) -> RewardBatch:
-        """Scores ``(prompt, response, gold)`` items; rewards come back in input order.
+        """Scores ``(prompt, response, gold)`` items; rewards come back in input order (0.0 for a failure).
+
+        Raises:
+            RuntimeError: The pool is closed, or its workers keep failing (see the subclass).
+        """
+        result = self.run(items)
+        rewards = [0.0 if value is None else float(value) for value in result.values]
+        return RewardBatch(rewards, result.num_timeouts, result.num_errors)
+
+    @abstractmethod
+    def run(self, items: Sequence[Item]) -> PoolResult:
+        """Calls the function on each item (its arguments); values come back in input order.
 
         Raises:
             RuntimeError: The pool is closed, or its workers keep failing (see the subclass).
@@ -256,8 +282,9 @@ class PoolLoop(ScoringPool, Generic[BatchT]):
     A subclass supplies the workers (processes or Ray actors) through the abstract methods.
     """
 
-    def score(self, items: Sequence[Item]) -> RewardBatch:
-        """Scores ``(prompt, response, gold)`` items; rewards come back in input order.
+    def run(self, items: Sequence[Item]) -> PoolResult:
+        """Calls the function on each item (its arguments); values come back in input order, None for an
+        item that timed out or failed.
 
         Raises:
             RuntimeError: The pool is closed, or its workers keep failing (see the subclass).
@@ -274,7 +301,7 @@ class PoolLoop(ScoringPool, Generic[BatchT]):
             self._abandon_in_flight()  # no stale result or busy worker may reach the next batch
             raise
         self._log_new_errors(batch.first_errors)
-        return RewardBatch(batch.rewards, batch.num_timeouts, batch.num_errors)
+        return PoolResult(batch.values, batch.num_timeouts, batch.num_errors)
 
     def wait_ready(self) -> None:
         """Blocks until every worker has loaded the reward function (:meth:`score` does not need this)."""
@@ -337,8 +364,9 @@ class VerifierPool(PoolLoop[PendingItems]):
         *,
         start_method: Literal["forkserver", "spawn"] = "forkserver",
         startup_timeout_s: float = 60.0,
+        convert: Convert = float,
     ) -> None:
-        super().__init__(reward_fn, num_workers, timeout_s)
+        super().__init__(reward_fn, num_workers, timeout_s, convert)
         if start_method not in ("forkserver", "spawn"):
             raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
         self._ctx: ForkServerContext | SpawnContext
@@ -383,7 +411,7 @@ class VerifierPool(PoolLoop[PendingItems]):
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
             target=_worker_main,
-            args=(child_conn, self._reward, self.timeout_s * SOFT_FRACTION),
+            args=(child_conn, self._reward, self.timeout_s * SOFT_FRACTION, self._convert),
             name="rlfleet-verifier",
             daemon=True,
         )

@@ -30,6 +30,7 @@ from rlfleet.rewards.pool import (
     SOFT_FRACTION,
     STATUS_ERROR,
     STATUS_TIMEOUT,
+    Convert,
     Item,
     PendingItems,
     PoolLoop,
@@ -41,8 +42,9 @@ from rlfleet.rewards.pool import (
 class _VerifierActor:
     """Runs in one Ray actor (on its main thread, where ``SIGALRM`` budgets work)."""
 
-    def __init__(self, reward: RewardFn | str, soft_timeout_s: float) -> None:
+    def __init__(self, reward: RewardFn | str, soft_timeout_s: float, convert: Convert = float) -> None:
         self._reward = reward
+        self._convert = convert
         self._soft_timeout_s = soft_timeout_s
         self._fn: RewardFn | None = None
 
@@ -56,7 +58,7 @@ class _VerifierActor:
         """``(status, reward, error)`` per item, as a :class:`VerifierPool` worker scores them."""
         self.ready()
         assert self._fn is not None
-        return [score_one(self._fn, item, self._soft_timeout_s) for item in items]
+        return [score_one(self._fn, item, self._soft_timeout_s, self._convert) for item in items]
 
 
 class _RetryBatch(PendingItems):
@@ -111,12 +113,13 @@ class RayVerifierPool(PoolLoop[_RetryBatch]):
         chunk_size: int | None = None,
         slack_s: float = 2.0,
         startup_timeout_s: float = 60.0,
+        convert: Convert = float,
     ) -> None:
         if not ray.is_initialized():
             raise RuntimeError("RayVerifierPool needs Ray initialised first (connect_or_start or ray.init)")
         if max_retries < 0 or (chunk_size is not None and chunk_size < 1):
             raise ValueError(f"need max_retries >= 0 and chunk_size >= 1, got {max_retries}, {chunk_size}")
-        super().__init__(reward_fn, num_workers, timeout_s)
+        super().__init__(reward_fn, num_workers, timeout_s, convert)
         self.max_retries = max_retries
         self.num_restarts = 0
         self._chunk_size = chunk_size
@@ -162,7 +165,7 @@ class RayVerifierPool(PoolLoop[_RetryBatch]):
     # -------------------------------------------------------------------------------------------- actors
 
     def _start(self) -> _Slot:
-        actor = self._remote.remote(self._reward, self.timeout_s * SOFT_FRACTION)
+        actor = self._remote.remote(self._reward, self.timeout_s * SOFT_FRACTION, self._convert)
         return _Slot(actor, actor.ready.remote(), deadline=time.monotonic() + self._startup_timeout_s)
 
     def _replace(self, slot: _Slot) -> None:

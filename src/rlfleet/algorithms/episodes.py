@@ -1,0 +1,334 @@
+"""Multi-turn episodes: the model and its environments take turns, token in, token out.
+
+Each turn, every running episode's context (its prompt, then every token so far) goes to the engine, which
+samples the model's turn, stopping at EOS or at a stop string the environment asked for (``</tool_call>``);
+the environment's :meth:`~rlfleet.environments.EnvironmentInterface.step` reads the turn and answers; the
+answer (a ``tool`` or ``user`` message) is rendered with the chat template and its tokens appended. An episode
+ends when its environment says so, at ``grpo.max_rollout_turns``, or when its next turn would not fit in
+``policy.max_total_sequence_length`` (the episode is then *cut*: flagged, counted and, like a response that
+ran out of tokens, not ``finished``).
+
+Token in, token out: the training sequence holds the exact ids the engine sampled for each model turn and
+their logprobs, never a re-tokenisation of their text; observation tokens (and the end-of-turn tokens the
+template adds after a turn that stopped at a stop string) are context, masked out of the loss
+(:attr:`~rlfleet.algorithms.rollouts.Rollout.mask`) and out of the response-length counts.
+
+Seeds stay batch-invariant per turn: episode ``i`` of a call seeded ``s`` samples its first turn from
+``row_seeds(s, n)[i]``, exactly the seed a single-turn rollout of the same row uses, and turn ``t`` from a
+seed derived from that one and ``t``, whichever other episodes are still running.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from rlfleet.algorithms.rollouts import Rollout
+from rlfleet.data import Prompt
+from rlfleet.environments.interface import Message
+from rlfleet.environments.runner import EnvRunner
+from rlfleet.errors import UserError
+from rlfleet.generation import GenerationBackend, GenerationResult, SamplingParams
+from rlfleet.generation.sampling import row_seeds
+
+_MARK = "\x00rlfleet-turn\x00"
+
+
+class ObservationTemplate:
+    """Renders an environment's message as the tokens that follow a model turn, with the chat template.
+
+    The text is what the template puts after an assistant message's content when the observation follows
+    it, generation prompt included (ChatML: ``<|im_end|>\\n<|im_start|>tool\\n...<|im_end|>\\n<|im_start|>
+    assistant\\n``); when the turn already ended with EOS, the EOS text it starts with is dropped.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        eos = tokenizer.eos_token
+        self.eos_text = eos if isinstance(eos, str) else ""
+
+    def text(self, observation: Message, ended_with_eos: bool) -> str:
+        messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}, observation]
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:
+            raise UserError(
+                f"the chat template cannot render an environment message with role {observation['role']!r} "
+                f"after an assistant turn ({exc!r}); return observations with a role the template knows"
+            ) from exc
+        assert isinstance(rendered, str)
+        if _MARK not in rendered:
+            raise UserError(
+                "the chat template drops assistant messages; multi-turn episodes need one that keeps them"
+            )
+        after = rendered.split(_MARK, 1)[1]
+        if ended_with_eos and self.eos_text and after.startswith(self.eos_text):
+            after = after[len(self.eos_text) :]
+        return after
+
+    def ids(self, observation: Message, ended_with_eos: bool) -> list[int]:
+        return list(
+            self.tokenizer(self.text(observation, ended_with_eos), add_special_tokens=False)["input_ids"]
+        )
+
+
+@dataclass
+class Episode:
+    """One conversation in progress."""
+
+    prompt: Prompt
+    env: str
+    seed: int
+    messages: list[Message]
+    metadata: Any
+    stop_strings: tuple[str, ...]
+    token_ids: list[int] = field(default_factory=list)  # after the prompt
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)  # 1 on sampled tokens
+    reward: float = 0.0
+    turns: int = 0
+    done: bool = False
+    cut: bool = False
+    failed: bool = False
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt.token_ids) + len(self.token_ids)
+
+    def context(self) -> list[int]:
+        return [*self.prompt.token_ids, *self.token_ids]
+
+    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
+        self.token_ids.extend(ids)
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        self.mask.extend([1 if logprobs is not None else 0] * len(ids))
+
+
+def turn_seed(episode_seed: int, turn: int) -> int:
+    """Turn 0 uses the episode's own seed (as a single-turn rollout does); later turns a derived one."""
+    return episode_seed if turn == 0 else row_seeds(episode_seed, 1, offset=turn)[0]
+
+
+def initial_messages(prompt: Prompt, system_prompt: str | None) -> list[Message]:
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [*messages, {"role": "user", "content": prompt.example.question}]
+
+
+def initial_metadata(prompt: Prompt) -> dict[str, Any]:
+    """What an environment reads of a row: ``ground_truth`` (the gold) and the row's extra fields."""
+    return {"ground_truth": prompt.example.gold, **dict(prompt.example.extra or {})}
+
+
+@dataclass(frozen=True)
+class EpisodeBatch:
+    """A batch of finished episodes as rollouts, with what running them took."""
+
+    rollouts: list[Rollout]
+    num_timeouts: int
+    num_errors: int
+    metrics: dict[str, float]
+    seconds: dict[str, float]
+
+
+class EpisodeRunner:
+    """Runs episodes with a generation backend and the recipe's environments.
+
+    Args:
+        backend: The engines (any backend: HF, vLLM, on Ray or not).
+        tokenizer: The policy's tokenizer (its chat template renders observations).
+        environments: Runner of each environment name.
+        default_env: The environment of rows that name none.
+        max_turns: ``grpo.max_rollout_turns``.
+        max_seq_len: ``policy.max_total_sequence_length``.
+        system_prompt: The system message the prompts were rendered with (the conversation's first message).
+    """
+
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        tokenizer: PreTrainedTokenizerBase,
+        environments: Mapping[str, EnvRunner],
+        default_env: str,
+        max_turns: int,
+        max_seq_len: int,
+        system_prompt: str | None = None,
+    ) -> None:
+        self.backend, self.environments, self.default_env = backend, dict(environments), default_env
+        self.max_turns, self.max_seq_len, self.system_prompt = max_turns, max_seq_len, system_prompt
+        self.template = ObservationTemplate(tokenizer)
+        self.tokenizer = tokenizer
+        if default_env not in self.environments:
+            raise ValueError(f"default environment {default_env!r} is not one of {sorted(self.environments)}")
+
+    def env_of(self, prompt: Prompt) -> str:
+        return prompt.example.env or self.default_env
+
+    def run(
+        self, prompts: Sequence[Prompt], group_size: int, params: SamplingParams, seed: int
+    ) -> EpisodeBatch:
+        """``group_size`` episodes per prompt (contiguous); episode ``i`` is seeded from
+        ``row_seeds(seed, n)[i]``."""
+        repeated = [p for p in prompts for _ in range(group_size)]
+        seeds = row_seeds(seed, len(repeated))
+        episodes = []
+        for prompt, episode_seed in zip(repeated, seeds, strict=True):
+            env = self.env_of(prompt)
+            if env not in self.environments:
+                raise UserError(
+                    f"a data row names environment {env!r}, which the recipe does not configure (env.{env})"
+                )
+            first_stops = self.environments[env].environment.stop_strings
+            episodes.append(
+                Episode(
+                    prompt,
+                    env,
+                    episode_seed,
+                    initial_messages(prompt, self.system_prompt),
+                    initial_metadata(prompt),
+                    tuple(first_stops or ()),
+                )
+            )
+        seconds = {"generation": 0.0, "env": 0.0}
+        problems = [0, 0]
+        for turn in range(self.max_turns):
+            active = [e for e in episodes if not e.done]
+            if not active:
+                break
+            start = time.perf_counter()
+            self._generate(active, params, turn)
+            seconds["generation"] += time.perf_counter() - start
+            start = time.perf_counter()
+            timeouts, errors = self._step(active, last_turn=turn == self.max_turns - 1)
+            seconds["env"] += time.perf_counter() - start
+            problems[0] += timeouts
+            problems[1] += errors
+        start = time.perf_counter()
+        metrics = self._metrics(episodes)
+        seconds["env"] += time.perf_counter() - start
+        return EpisodeBatch([self._rollout(e) for e in episodes], problems[0], problems[1], metrics, seconds)
+
+    # ------------------------------------------------------------------------------------------- a turn
+
+    def _generate(self, active: list[Episode], params: SamplingParams, turn: int) -> None:
+        by_stops: dict[tuple[str, ...], list[Episode]] = defaultdict(list)
+        for episode in active:
+            by_stops[episode.stop_strings].append(episode)
+        for stops, group in by_stops.items():
+            room = [self.max_seq_len - e.length for e in group]
+            call = replace(
+                params, max_new_tokens=max(1, min(params.max_new_tokens, max(room))), stop_strings=stops
+            )
+            results = self.backend.generate_rows(
+                [e.context() for e in group], call, [turn_seed(e.seed, turn) for e in group]
+            )
+            for episode, result, budget in zip(group, results, room, strict=True):
+                self._take_turn(episode, result, budget)
+
+    def _take_turn(self, episode: Episode, result: GenerationResult, budget: int) -> None:
+        ids, logprobs = result.token_ids[:budget], result.logprobs[:budget]
+        if len(result.token_ids) > budget or (len(ids) == budget and not result.finished):
+            episode.cut = True  # the sequence budget ended this turn
+        episode.append(ids, logprobs)
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        assert isinstance(text, str)
+        episode.messages.append({"role": "assistant", "content": text})
+        episode.turns += 1
+
+    def _step(self, active: list[Episode], last_turn: bool) -> tuple[int, int]:
+        by_env: dict[str, list[Episode]] = defaultdict(list)
+        for episode in active:
+            by_env[episode.env].append(episode)
+        timeouts = errors = 0
+        eos = self.tokenizer.eos_token_id
+        for name, group in by_env.items():
+            report = self.environments[name].step([e.messages for e in group], [e.metadata for e in group])
+            timeouts += report.num_timeouts
+            errors += report.num_errors
+            for episode, outcome in zip(group, report.outcomes, strict=True):
+                if outcome is None:  # the environment failed on this item: it costs the item
+                    episode.reward, episode.done, episode.failed = 0.0, True, True
+                    continue
+                episode.reward += outcome.reward
+                episode.metadata = outcome.metadata
+                if outcome.terminated or episode.cut or last_turn:
+                    episode.done = True
+                    continue
+                ended_with_eos = bool(episode.token_ids) and episode.token_ids[-1] == eos
+                observation = self.template.ids(outcome.observation, ended_with_eos)
+                if episode.length + len(observation) >= self.max_seq_len:  # no room for another turn
+                    episode.done = episode.cut = True
+                    continue
+                episode.append(observation, None)
+                episode.messages.append(outcome.observation)
+                episode.stop_strings = tuple(outcome.stop_strings or ())
+        return timeouts, errors
+
+    # ------------------------------------------------------------------------------------------ results
+
+    def _rollout(self, episode: Episode) -> Rollout:
+        text = self.tokenizer.decode(episode.token_ids, skip_special_tokens=False)
+        assert isinstance(text, str)
+        result = GenerationResult(
+            token_ids=tuple(episode.token_ids),
+            logprobs=tuple(episode.logprobs),
+            text=text,
+            finished=not episode.cut,
+        )
+        info = {
+            "turns": float(episode.turns),
+            "cut": float(episode.cut),
+            "env_failed": float(episode.failed),
+            **{k: float(v) for k, v in _counters(episode.metadata).items()},
+        }
+        return Rollout(
+            episode.prompt,
+            result,
+            episode.reward,
+            mask=tuple(episode.mask),
+            conversation=tuple(episode.messages),
+            info=info,
+        )
+
+    def _metrics(self, episodes: list[Episode]) -> dict[str, float]:
+        n = max(len(episodes), 1)
+        metrics = {
+            "turns_per_episode": sum(e.turns for e in episodes) / n,
+            "episodes_cut": sum(e.cut for e in episodes) / n,
+            "tool_calls_per_episode": sum(_counters(e.metadata).get("tool_calls", 0) for e in episodes) / n,
+            "tool_errors_per_episode": sum(_counters(e.metadata).get("tool_errors", 0) for e in episodes) / n,
+        }
+        by_env: dict[str, list[Episode]] = defaultdict(list)
+        for episode in episodes:
+            by_env[episode.env].append(episode)
+        for name, group in by_env.items():
+            batch = {
+                "message_log": [e.messages for e in group],
+                "metadata": [e.metadata for e in group],
+                "rewards": [e.reward for e in group],
+            }
+            try:
+                _, extra = self.environments[name].environment.global_post_process_and_metrics(batch)
+            except Exception as exc:
+                raise UserError(
+                    f"environment {name}: global_post_process_and_metrics raised {exc!r}"
+                ) from exc
+            metrics.update({f"env/{name}/{key}": float(value) for key, value in extra.items()})
+        return metrics
+
+
+def _counters(metadata: Any) -> dict[str, float]:
+    """The tool counters an environment keeps in an episode's metadata (``tool_calls``, ``tool_errors``)."""
+    if not isinstance(metadata, Mapping):
+        return {}
+    return {
+        k: float(metadata[k])
+        for k in ("tool_calls", "tool_errors")
+        if isinstance(metadata.get(k), (int, float))
+    }
