@@ -26,3 +26,10 @@ def even_length_reward(prompt: str, response: str, gold: str) -> float:
     are correct, so pass@1 and pass@k of a group are neither 0 nor 1."""
     del prompt, gold
     return 1.0 if len(response) % 2 == 0 else 0.0
+
+
+def first_digit_reward(prompt: str, response: str, gold: str) -> float:
+    """1.0 when the response's first digit is the gold's first digit: varies across samples of any model."""
+    del prompt
+    digits = [c for c in response if c.isdigit()]
+    return 1.0 if digits and gold and digits[0] == gold[0] else 0.0

@@ -1,4 +1,5 @@
-"""Environments the model acts in: a Python sandbox, tools it may call, and a code environment (HumanEval).
+"""Environments the model acts in (NeMo RL's :class:`EnvironmentInterface`): ``math``, ``tools`` (calculator
+and Python sandbox) and ``code`` (HumanEval), their runners, a Python sandbox and the tool-call parser.
 
 :func:`run_python` runs untrusted code in a separate, limited, isolated process (``sandbox``);
 :func:`parse_tool_calls` reads ``<tool_call>`` blocks and :func:`call_tool` runs them with the ``calculator``
@@ -8,6 +9,7 @@ completion passes in the sandbox (``code``).
 
 from __future__ import annotations
 
+from rlfleet.environments.builtin import CodeEnvironment, MathEnvironment, ToolEnvironment
 from rlfleet.environments.code import (
     CodeProblem,
     CodeTestReport,
@@ -16,6 +18,8 @@ from rlfleet.environments.code import (
     run_tests,
     score_completion,
 )
+from rlfleet.environments.interface import EnvironmentInterface, EnvironmentReturn, StepOutcome
+from rlfleet.environments.runner import EnvironmentLoadError, build_environment, environment_class
 from rlfleet.environments.sandbox import Isolation, SandboxError, SandboxLimits, SandboxResult, run_python
 from rlfleet.environments.tools import (
     Tool,
@@ -31,20 +35,29 @@ from rlfleet.environments.tools import (
 )
 
 __all__ = [
+    "CodeEnvironment",
     "CodeProblem",
     "CodeTestReport",
+    "EnvironmentInterface",
+    "EnvironmentLoadError",
+    "EnvironmentReturn",
     "HumanEvalError",
     "Isolation",
+    "MathEnvironment",
     "SandboxError",
     "SandboxLimits",
     "SandboxResult",
+    "StepOutcome",
     "Tool",
     "ToolCall",
     "ToolCallError",
+    "ToolEnvironment",
+    "build_environment",
     "calculator",
     "calculator_tool",
     "call_tool",
     "default_tools",
+    "environment_class",
     "load_humaneval",
     "parse_tool_calls",
     "python_tool",
