@@ -380,17 +380,31 @@ class ArithmeticConfig(Strict):
     seed: int = 1234
 
 
+class MultiplicationConfig(Strict):
+    """The built-in tool task: "What is A * B?" with operands too long for a small model to multiply."""
+
+    num_train: int = Field(2048, ge=1)
+    num_val: int = Field(128, ge=1)
+    min_digits: int = Field(3, ge=1, description="Fewest digits of an operand.")
+    max_digits: int = Field(4, ge=1, description="Most digits of an operand.")
+    sft_target: Literal["tool", "direct"] = Field(
+        "tool", description="What SFT learns: the calculator episode (ChatML) or the product written out."
+    )
+    seed: int = 7
+
+
 class DataConfig(Strict):
     """Where prompts come from.
 
-    ``dataset_name``: ``arithmetic`` (built in, offline), ``gsm8k`` (a shortcut: ``openai/gsm8k``/``main``,
+    ``dataset_name``: ``arithmetic`` (built in, offline), ``multiplication`` (built in, the calculator task),
+    ``gsm8k`` (a shortcut: ``openai/gsm8k``/``main``,
     ``question``/``answer`` keys, unless overridden) or ``ResponseDataset`` (NeMo RL's name: any hub id or
     local ``.json``/``.jsonl``/``.parquet`` file with an input and an output column). The gold answer of a
     row is extracted from its output: the number after ``####`` (commas removed), else the content of the
     last ``\boxed{}``, else the whole output.
     """
 
-    dataset_name: Literal["arithmetic", "gsm8k", "ResponseDataset"] = "arithmetic"
+    dataset_name: Literal["arithmetic", "multiplication", "gsm8k", "ResponseDataset"] = "arithmetic"
     train_data_path: str | None = Field(None, description="Hub id or local file of the training rows.")
     val_data_path: str | None = Field(None, description="Hub id or local file of the validation rows.")
     train_split: str | None = Field(None, description="Split of a hub dataset (default: train).")
@@ -406,6 +420,7 @@ class DataConfig(Strict):
     env_name: str = Field("math", description="The environment of rows that name none (a row's task_name).")
     shuffle: bool = True
     arithmetic: ArithmeticConfig = ArithmeticConfig()
+    multiplication: MultiplicationConfig = MultiplicationConfig()
 
 
 class MathEnvConfig(Strict):

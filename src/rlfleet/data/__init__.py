@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field
 
 from rlfleet.config.schema import DataConfig
-from rlfleet.data.arithmetic import arithmetic_splits
+from rlfleet.data.arithmetic import arithmetic_splits, multiplication_problems
 from rlfleet.data.errors import DataError
 from rlfleet.data.loader import ResumableLoader
 from rlfleet.data.prompts import (
@@ -75,6 +75,24 @@ def load_task_with_report(data: DataConfig) -> TaskSplits:
             max_ops=a.max_ops,
             max_operand=a.max_operand,
             operations=a.operations,
+        )
+        return TaskSplits(train=train, val=val, report={"train/bad_rows": 0, "val/bad_rows": 0})
+    if data.dataset_name == "multiplication":
+        m = data.multiplication
+        val = multiplication_problems(
+            m.num_val,
+            seed=m.seed + 1,
+            min_digits=m.min_digits,
+            max_digits=m.max_digits,
+            sft_target=m.sft_target,
+        )
+        train = multiplication_problems(
+            m.num_train,
+            seed=m.seed,
+            min_digits=m.min_digits,
+            max_digits=m.max_digits,
+            sft_target=m.sft_target,
+            exclude={ex.question for ex in val},
         )
         return TaskSplits(train=train, val=val, report={"train/bad_rows": 0, "val/bad_rows": 0})
     train_source, val_source = resolve_sources(data)

@@ -115,3 +115,46 @@ def arithmetic_splits(
         f"could not draw {num_train} training problems distinct from the {num_val} validation ones; "
         "raise data.arithmetic.max_operand or max_ops, or lower num_val"
     )
+
+
+# --- multiplication with a calculator -----------------------------------------------------------------------
+
+CALL = '<tool_call>{{"name": "calculator", "arguments": {{"expression": "{a} * {b}"}}}}</tool_call>'
+
+
+def tool_transcript(a: int, b: int) -> str:
+    """The episode a tool-using model should produce for ``a * b`` after its prompt, in ChatML (the tiny
+    model's and SmolLM2's chat format): call the calculator, read its result, answer with ``#### N``. The
+    tool message is what the ``tools`` environment renders (:class:`~rlfleet.algorithms.episodes.
+    ObservationTemplate`), so SFT on this text teaches exactly the turns GRPO then samples."""
+    return (
+        CALL.format(a=a, b=b)
+        + f"<|im_end|>\n<|im_start|>tool\n{a * b}<|im_end|>\n<|im_start|>assistant\n#### {a * b}"
+    )
+
+
+def _operand(rng: random.Random, digits: int) -> int:
+    return rng.randint(10 ** (digits - 1), 10**digits - 1)
+
+
+def multiplication_problems(
+    num: int, *, seed: int, min_digits: int, max_digits: int, sft_target: str, exclude: set[str] | None = None
+) -> list[Example]:
+    """``num`` distinct problems "What is A * B?" with operands of ``min_digits..max_digits`` digits.
+
+    ``sft_target`` is the answer an SFT warm start learns: ``tool`` (:func:`tool_transcript`) or ``direct``
+    (``A * B = N`` then ``#### N``, what a model without the tool must compute itself)."""
+    rng = random.Random(seed)
+    seen = set(exclude or ())
+    out: list[Example] = []
+    for _ in range(50 * num + 1000):
+        if len(out) == num:
+            return out
+        a, b = (_operand(rng, rng.randint(min_digits, max_digits)) for _ in "ab")
+        question = f"What is {a} * {b}?"
+        if question in seen:
+            continue
+        seen.add(question)
+        answer = tool_transcript(a, b) if sft_target == "tool" else f"{a} * {b} = {a * b}\n#### {a * b}"
+        out.append(Example(question=question, answer=answer, gold=str(a * b)))
+    raise ValueError(f"could not draw {num} distinct multiplication problems; widen the digit range")

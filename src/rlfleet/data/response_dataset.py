@@ -149,6 +149,9 @@ def _json_type(value: object) -> str:
     return "object" if isinstance(value, Mapping) else type(value).__name__
 
 
+TASK_NAME = "task_name"  # NeMo RL's key: the environment that scores a row (else data.env_name)
+
+
 def _parse_row(value: object, input_key: str, output_key: str) -> Example:
     """The ``Example`` of one raw row.
 
@@ -179,4 +182,9 @@ def _parse_row(value: object, input_key: str, output_key: str) -> Example:
         gold = gold_answer(output)
     except InvalidGoldError as exc:
         raise _BadRow(f"no gold answer in the output {output_key!r} (ends {output[-60:]!r}): {exc}") from None
-    return Example(question=question, answer=output, gold=gold)
+    env = value.get(TASK_NAME)
+    if env is not None and (not isinstance(env, str) or not env):
+        raise _BadRow(
+            f"{TASK_NAME!r} (the environment that scores the row) must be a non-empty string, got {env!r}"
+        )
+    return Example(question=question, answer=output, gold=gold, env=env)
