@@ -30,7 +30,9 @@ class Recording:
         self.backend = backend
         self.calls: list[tuple[list[int], GenerationResult]] = []
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> list[GenerationResult]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
+    ) -> list[GenerationResult]:
         raise AssertionError("episodes sample with generate_rows")
 
     def generate_rows(
@@ -57,12 +59,18 @@ def make_prompts(tokenizer: Any, golds: Sequence[str]) -> list[Prompt]:
     return build_prompts(tokenizer, examples, system_prompt=None, max_prompt_tokens=None)[0]
 
 
-def scripted_runner(backend: Any, tokenizer: Any, turns: int = 3, stops: list[str] | None = None, max_seq_len: int = 256) -> EpisodeRunner:
+def scripted_runner(
+    backend: Any, tokenizer: Any, turns: int = 3, stops: list[str] | None = None, max_seq_len: int = 256
+) -> EpisodeRunner:
     env = build_environment(SCRIPTED, {"turns": turns, "stops": stops})
-    return EpisodeRunner(backend, tokenizer, {"s": InProcessRunner("s", env)}, "s", max_turns=turns, max_seq_len=max_seq_len)
+    return EpisodeRunner(
+        backend, tokenizer, {"s": InProcessRunner("s", env)}, "s", max_turns=turns, max_seq_len=max_seq_len
+    )
 
 
-def test_training_ids_are_the_sampled_ids_and_logprobs_match_the_trainer(model_and_tokenizer: tuple[Any, Any]) -> None:
+def test_training_ids_are_the_sampled_ids_and_logprobs_match_the_trainer(
+    model_and_tokenizer: tuple[Any, Any],
+) -> None:
     """For every assistant token of a multi-turn episode the training id is the sampled id, observation
     tokens are masked, and the trainer's logprob equals the engine's (NeMo RL's gen_logprob_error ~ 0)."""
     model, tokenizer = model_and_tokenizer
@@ -90,7 +98,9 @@ def test_training_ids_are_the_sampled_ids_and_logprobs_match_the_trainer(model_a
             context += list(sampled.token_ids)
             position += n
             if turn < 2:
-                obs = template.ids(observations[turn], ended_with_eos=sampled.token_ids[-1] == tokenizer.eos_token_id)
+                obs = template.ids(
+                    observations[turn], ended_with_eos=sampled.token_ids[-1] == tokenizer.eos_token_id
+                )
                 assert ids[position : position + len(obs)] == obs
                 assert mask[position : position + len(obs)] == [0] * len(obs)
                 context += obs
@@ -137,8 +147,12 @@ def test_episode_seeds_are_batch_invariant(model_and_tokenizer: tuple[Any, Any])
     backend = HFGenerationBackend(model, tokenizer, batch_size=3)
     prompts = make_prompts(tokenizer, ["1", "2", "3"])
     params = SamplingParams(max_new_tokens=10)
-    whole = scripted_runner(backend, tokenizer, turns=2, stops=["2"]).run(prompts, 2, params, seed=11).rollouts
-    again = scripted_runner(backend, tokenizer, turns=2, stops=["2"]).run(prompts, 2, params, seed=11).rollouts
+    whole = (
+        scripted_runner(backend, tokenizer, turns=2, stops=["2"]).run(prompts, 2, params, seed=11).rollouts
+    )
+    again = (
+        scripted_runner(backend, tokenizer, turns=2, stops=["2"]).run(prompts, 2, params, seed=11).rollouts
+    )
     assert [r.result.token_ids for r in whole] == [r.result.token_ids for r in again]
     assert len({r.result.token_ids for r in whole}) > 1
 

@@ -112,6 +112,19 @@ def section_problems(cfg: MasterConfig) -> list[str]:
             f"data.arithmetic: data.arithmetic.min_ops={arithmetic.min_ops} exceeds "
             f"max_ops={arithmetic.max_ops}; set min_ops <= max_ops"
         )
+    m = cfg.data.multiplication
+    if m.min_digits > m.max_digits:
+        problems.append(
+            f"data.multiplication: data.multiplication.min_digits={m.min_digits} exceeds "
+            f"max_digits={m.max_digits}; set min_digits <= max_digits"
+        )
+    known = {"math", "tools", "code", *cfg.env.custom()}
+    if cfg.data.env_name not in known:
+        problems.append(
+            f"data.env_name: {cfg.data.env_name!r} is not an environment of the recipe (known: "
+            f"{', '.join(sorted(known))}); fix: one of them, or add env.{cfg.data.env_name}.environment="
+            "<import path of your EnvironmentInterface class>"
+        )
     if cfg.data.system_prompt is not None and cfg.data.system_prompt_file is not None:
         problems.append("data: data.system_prompt and data.system_prompt_file are both set; keep one of them")
     e = cfg.eval

