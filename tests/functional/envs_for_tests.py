@@ -9,8 +9,13 @@ from typing import Any
 from rlfleet.environments import EnvironmentInterface, EnvironmentReturn
 
 
+def digit_fraction(text: str) -> float:
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
 class ScriptedEnv(EnvironmentInterface[dict[str, Any]]):
-    """Answers every turn with a ``tool`` message until ``cfg["turns"]`` turns, paying 0.25 a turn.
+    """Answers every turn with a ``tool`` message until ``cfg["turns"]`` turns; each turn pays the fraction of
+    digits in the model's message (``cfg["paid"]: "constant"`` pays 0.25 instead).
 
     cfg: ``turns`` (default 3), ``stops`` (the next turns' stop strings, default none).
     """
@@ -22,7 +27,10 @@ class ScriptedEnv(EnvironmentInterface[dict[str, Any]]):
             observations=[{"role": "tool", "content": f"result {m['turn']}"} for m in metas],
             metadata=metas,
             next_stop_strings=[self.cfg.get("stops")] * len(metas),
-            rewards=[0.25] * len(metas),
+            rewards=[
+                0.25 if self.cfg.get("paid") == "constant" else digit_fraction(log[-1]["content"])
+                for log in message_log_batch
+            ],
             terminateds=[m["turn"] >= turns for m in metas],
             answers=None,
         )

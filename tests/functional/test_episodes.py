@@ -62,7 +62,7 @@ def make_prompts(tokenizer: Any, golds: Sequence[str]) -> list[Prompt]:
 def scripted_runner(
     backend: Any, tokenizer: Any, turns: int = 3, stops: list[str] | None = None, max_seq_len: int = 256
 ) -> EpisodeRunner:
-    env = build_environment(SCRIPTED, {"turns": turns, "stops": stops})
+    env = build_environment(SCRIPTED, {"turns": turns, "stops": stops, "paid": "constant"})
     return EpisodeRunner(
         backend, tokenizer, {"s": InProcessRunner("s", env)}, "s", max_turns=turns, max_seq_len=max_seq_len
     )
