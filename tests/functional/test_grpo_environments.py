@@ -145,3 +145,21 @@ def test_multi_turn_grpo_with_the_vllm_backend(tiny_vllm_model_dir: Path, tmp_pa
     )
     steps = [r for r in records if r["step"] > 0]
     assert all(r["train/turns_per_episode"] == 2.0 and r["train/gen_logprob_error"] < 1e-3 for r in steps)
+
+
+def test_the_readme_environment_example_runs(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's own environment and command line, as written, for two GRPO steps on the tiny model."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    example = readme.split("<!-- environment-example -->\n```python\n", 1)[1]
+    code, rest = example.split("```\n", 1)
+    assert len(code.splitlines()) <= 30
+    (tmp_path / "my_envs.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    command = rest.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ").split()
+    overrides = [word for word in command[command.index("grpo-tiny-arithmetic-cpu") + 1 :] if "=" in word]
+    overrides = [o for o in overrides if not o.startswith("policy.model_name=")]
+    _, records = train(tiny_model_dir, tmp_path / "run", *overrides, *TWO_STEPS)
+    steps = [r for r in records if r["step"] > 0]
+    assert len(steps) == 2 and all(r["train/turns_per_episode"] > 1.0 for r in steps)
