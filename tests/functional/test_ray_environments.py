@@ -25,7 +25,7 @@ def test_colocated_multi_turn_on_ray_matches_one_process(
     ray_cluster: None, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     train(tiny_model_dir, tmp_path / "one", *SCRIPTED, *TWO_STEPS, "policy.train_micro_batch_size=2")
-    trainer, records = train(
+    _, records = train(
         tiny_model_dir,
         tmp_path / "ray",
         *SCRIPTED,

@@ -223,7 +223,7 @@ def test_environment_classes_load_by_name_and_import_path() -> None:
 
 def test_an_unknown_default_environment_fails_validation() -> None:
     cfg = MasterConfig.model_validate({"policy": {"model_name": "m"}, "data": {"env_name": "chess"}})
-    with pytest.raises(ConfigError, match="data.env_name: 'chess' is not an environment"):
+    with pytest.raises(ConfigError, match=r"data\.env_name: 'chess' is not an environment"):
         check_config(cfg, "grpo")
 
 
@@ -232,7 +232,7 @@ def test_a_users_environment_is_configured_under_its_own_name() -> None:
         {"env": {"chess": {"environment": "pkg.mod:Chess", "num_workers": 2, "cfg": {"depth": 3}}}}
     )
     assert cfg.env.custom()["chess"].cfg == {"depth": 3}
-    with pytest.raises(ValueError, match="env.chess is not a built-in environment"):
+    with pytest.raises(ValueError, match=r"env\.chess is not a built-in environment"):
         MasterConfig.model_validate({"env": {"chess": {"num_workers": 2}}})
 
 
@@ -294,3 +294,10 @@ def test_collate_masks_observation_tokens() -> None:
     assert batch.response_mask.tolist() == [[0.0, 0.0, 1.0, 0.0, 0.0, 1.0]]
     with pytest.raises(ValueError, match="mask of 3"):
         collate([[1]], [[2, 3]], 0, None, [[1, 0, 1]])
+
+
+def test_the_tools_environment_needs_a_second_turn() -> None:
+    cfg = MasterConfig.model_validate({"policy": {"model_name": "m"}, "data": {"env_name": "tools"}})
+    with pytest.raises(ConfigError, match="no call would ever get its result"):
+        check_config(cfg, "grpo")
+    check_config(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"max_rollout_turns": 3})}), "grpo")

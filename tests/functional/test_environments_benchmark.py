@@ -1,0 +1,31 @@
+"""Smoke test of benchmarks/environments.py: every stage runs in quick mode and the table prints."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "environments.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_quick_environment_benchmark_prints_its_three_rows(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(SCRIPT.parents[1] / "src"), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    command = [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=390, check=False, env=env, cwd=SCRIPT.parents[1]
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("  ")[0] for line in done.stdout.splitlines()]
+    assert {"no tool, SFT", "tool, SFT", "tool, SFT + GRPO"} <= {r.strip() for r in rows}
+    assert "GRPO validation curve" in done.stdout
