@@ -300,4 +300,5 @@ def test_the_tools_environment_needs_a_second_turn() -> None:
     cfg = MasterConfig.model_validate({"policy": {"model_name": "m"}, "data": {"env_name": "tools"}})
     with pytest.raises(ConfigError, match="no call would ever get its result"):
         check_config(cfg, "grpo")
-    check_config(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"max_rollout_turns": 3})}), "grpo")
+    three = cfg.grpo.model_copy(update={"max_rollout_turns": 3})
+    check_config(cfg.model_copy(update={"grpo": three}), "grpo")

@@ -128,8 +128,8 @@ def section_problems(cfg: MasterConfig) -> list[str]:
     if cfg.data.env_name == "tools" and cfg.grpo.max_rollout_turns < 2:
         problems.append(
             "grpo.max_rollout_turns: the tools environment answers a tool call in the next turn, so with "
-            "grpo.max_rollout_turns=1 no call would ever get its result; fix: grpo.max_rollout_turns=3 (a call, "
-            "maybe a second, the answer)"
+            "grpo.max_rollout_turns=1 no call would ever get its result; fix: grpo.max_rollout_turns=3 (a "
+            "call, maybe a second, the answer)"
         )
     if cfg.data.system_prompt is not None and cfg.data.system_prompt_file is not None:
         problems.append("data: data.system_prompt and data.system_prompt_file are both set; keep one of them")
