@@ -43,3 +43,36 @@ def test_sleep_refit_wake_cycle_tracks_the_trainer(tiny_vllm_model_dir: Path, tm
         assert float(error) < 1e-3  # float32 on both sides; GPU kernels differ in summation order
     finally:
         engine.close()
+
+
+def test_multi_turn_episodes_on_the_gpu_engine_are_token_in_token_out(
+    tiny_vllm_model_dir: Path, tmp_path: Path
+) -> None:
+    """Episodes of 3 turns with stop strings on the GPU vLLM engine: the training sequence holds the sampled
+    ids, observations are masked, and the trainer's logprobs of the sampled tokens match the engine's."""
+    pytest.importorskip("vllm")
+    from rlfleet.algorithms.episodes import EpisodeRunner
+    from rlfleet.data import Example, build_prompts
+    from rlfleet.environments.runner import InProcessRunner, build_environment
+
+    worker = build_worker(small_grpo_config(tiny_vllm_model_dir, tmp_path), seed=0, keep_reference=False)
+    settings = VLLMSettings(
+        precision="float32", max_model_len=256, seed=0, enforce_eager=True, gpu_memory_utilization=0.3
+    )
+    engine = VLLMGenerationBackend(worker.model, worker.tokenizer, settings)
+    try:
+        env = build_environment("tests.functional.envs_for_tests:ScriptedEnv", {"turns": 3, "stops": ["e"]})
+        runner = EpisodeRunner(engine, worker.tokenizer, {"s": InProcessRunner("s", env)}, "s", 3, 256)
+        examples = [Example(f"What is {i} + {i}?", "", str(2 * i)) for i in range(1, 9)]
+        prompts = build_prompts(worker.tokenizer, examples, system_prompt=None, max_prompt_tokens=None)[0]
+        rollouts = runner.run(prompts, 2, PARAMS, seed=3).rollouts
+        assert all(r.info is not None and r.info["turns"] == 3.0 for r in rollouts)
+        batch = collate([r.prompt.token_ids for r in rollouts], [r.result.token_ids for r in rollouts],
+                        worker.tokenizer.pad_token_id, [r.result.logprobs for r in rollouts],
+                        [r.mask for r in rollouts])  # fmt: skip
+        assert float(batch.response_mask.sum()) < float(batch.attention_mask.sum())  # observations masked
+        trainer = worker.logprobs(batch.to(worker.device), 8, temperature=PARAMS.temperature).cpu()
+        error = ((trainer - batch.generation_logprobs).abs() * batch.response_mask).max()
+        assert float(error) < 1e-3
+    finally:
+        engine.close()
