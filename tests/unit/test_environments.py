@@ -302,3 +302,39 @@ def test_the_tools_environment_needs_a_second_turn() -> None:
         check_config(cfg, "grpo")
     three = cfg.grpo.model_copy(update={"max_rollout_turns": 3})
     check_config(cfg.model_copy(update={"grpo": three}), "grpo")
+
+
+def test_sft_on_an_episode_trains_the_model_turns_only() -> None:
+    """The tool message inside a calculator episode is context in SFT, as it is in GRPO."""
+    from rlfleet.algorithms.sft import sft_batch
+    from rlfleet.data import build_prompts
+
+    tokenizer = tiny_tokenizer()
+    data = MasterConfig.model_validate(
+        {"data": {"dataset_name": "multiplication", "multiplication": {"num_val": 2}}}
+    )
+    _, val = load_task(data.data)
+    prompts = build_prompts(tokenizer, val, system_prompt=None, max_prompt_tokens=None)[0]
+    batch = sft_batch(prompts, tokenizer, tokenizer.pad_token_id)
+    for row, prompt in enumerate(prompts):
+        start = len(prompt.token_ids)
+        length = int(batch.attention_mask[row].sum())
+        ids, mask = batch.input_ids[row], batch.response_mask[row]
+        trained = [int(t) for t, m in zip(ids[start:length], mask[start:length], strict=True) if m]
+        context = [int(t) for t, m in zip(ids[start:length], mask[start:length], strict=True) if not m]
+        text = tokenizer.decode(trained, skip_special_tokens=False)
+        assert text.startswith("<tool_call>") and text.endswith(f"#### {prompt.example.gold}<|im_end|>")
+        assert (
+            tokenizer.decode(context, skip_special_tokens=False)
+            == f"<|im_end|>\n<|im_start|>tool\n{prompt.example.gold}<|im_end|>\n<|im_start|>assistant\n"
+        )
+    direct = MasterConfig.model_validate(
+        {"data": {"dataset_name": "multiplication", "multiplication": {"sft_target": "direct"}}}
+    )
+    _, plain = load_task(direct.data)
+    plain_prompts = build_prompts(tokenizer, plain[:2], system_prompt=None, max_prompt_tokens=None)[0]
+    plain_batch = sft_batch(plain_prompts, tokenizer, tokenizer.pad_token_id)
+    for row, prompt in enumerate(plain_prompts):
+        assert float(plain_batch.response_mask[row].sum()) == int(
+            plain_batch.attention_mask[row].sum()
+        ) - len(prompt.token_ids)

@@ -16,7 +16,8 @@ from rlfleet.algorithms.evaluation import evaluate
 from rlfleet.algorithms.run import RunContext, run_loop, start_run, step_seed
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
 from rlfleet.config.layout import resource_layout
-from rlfleet.data import Prompt, response_target
+from rlfleet.data import Prompt
+from rlfleet.data.prompts import CONTEXT_SPANS, response_target_and_mask
 from rlfleet.generation import GenerationBackend, SamplingParams
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import NLLLossFn
@@ -24,9 +25,19 @@ from rlfleet.utils.timing import PhaseTimer
 
 
 def sft_batch(prompts: Sequence[Prompt], tokenizer: PreTrainedTokenizerBase, pad_token_id: int) -> TrainBatch:
-    """Prompt tokens followed by the worked answer and EOS; only the answer is trained on."""
-    targets = [response_target(tokenizer, p.example.answer) for p in prompts]
-    return collate([p.token_ids for p in prompts], targets, pad_token_id)
+    """Prompt tokens followed by the worked answer and EOS; only the answer is trained on, less the parts
+    an example marks as context (an episode's tool messages, ``extra["context_spans"]``)."""
+    pairs = [
+        response_target_and_mask(tokenizer, p.example.answer, (p.example.extra or {}).get(CONTEXT_SPANS, ()))
+        for p in prompts
+    ]
+    masks = [mask for _, mask in pairs]
+    return collate(
+        [p.token_ids for p in prompts],
+        [ids for ids, _ in pairs],
+        pad_token_id,
+        response_masks=masks if any(m is not None for m in masks) else None,
+    )
 
 
 class SFT:

@@ -127,10 +127,13 @@ def tool_transcript(a: int, b: int) -> str:
     model's and SmolLM2's chat format): call the calculator, read its result, answer with ``#### N``. The
     tool message is what the ``tools`` environment renders (:class:`~rlfleet.algorithms.episodes.
     ObservationTemplate`), so SFT on this text teaches exactly the turns GRPO then samples."""
-    return (
-        CALL.format(a=a, b=b)
-        + f"<|im_end|>\n<|im_start|>tool\n{a * b}<|im_end|>\n<|im_start|>assistant\n#### {a * b}"
-    )
+    return CALL.format(a=a, b=b) + tool_message(a * b) + f"#### {a * b}"
+
+
+def tool_message(result: int) -> str:
+    """The calculator's answer as the ``tools`` environment renders it after a call (ChatML): context the
+    model reads, not text it writes (SFT masks it: ``context_spans``)."""
+    return f"<|im_end|>\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def _operand(rng: random.Random, digits: int) -> int:
@@ -155,6 +158,9 @@ def multiplication_problems(
         if question in seen:
             continue
         seen.add(question)
-        answer = tool_transcript(a, b) if sft_target == "tool" else f"{a} * {b} = {a * b}\n#### {a * b}"
-        out.append(Example(question=question, answer=answer, gold=str(a * b)))
+        if sft_target == "tool":
+            answer, extra = tool_transcript(a, b), {"context_spans": [tool_message(a * b)]}
+        else:
+            answer, extra = f"{a} * {b} = {a * b}\n#### {a * b}", None
+        out.append(Example(question=question, answer=answer, gold=str(a * b), extra=extra))
     raise ValueError(f"could not draw {num} distinct multiplication problems; widen the digit range")

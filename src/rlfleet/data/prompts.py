@@ -152,3 +152,27 @@ def response_target(tokenizer: PreTrainedTokenizerBase, answer: str) -> list[int
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token; set one so responses can end")
     return [*tokenizer(answer, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+
+
+CONTEXT_SPANS = "context_spans"
+"""``Example.extra`` key: parts of the answer that are context, not targets (an episode's tool messages)."""
+
+
+def response_target_and_mask(
+    tokenizer: PreTrainedTokenizerBase, answer: str, context: Sequence[str] = ()
+) -> tuple[list[int], list[int] | None]:
+    """:func:`response_target` and, when ``context`` names parts of ``answer`` (an episode's observations,
+    each found in order), a mask that is 0 on the tokens starting inside them: SFT on an episode learns the
+    model's turns only, as GRPO trains them. None when there is no context."""
+    if not context:
+        return response_target(tokenizer, answer), None
+    spans, start = [], 0
+    for text in context:
+        at = answer.find(text, start)
+        if at < 0:
+            raise ValueError(f"context span {text[:40]!r} is not in the answer after position {start}")
+        spans.append((at, at + len(text)))
+        start = at + len(text)
+    encoded = tokenizer(answer, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [0 if any(a <= first < b for a, b in spans) else 1 for first, _ in encoded["offset_mapping"]]
+    return [*encoded["input_ids"], tokenizer.eos_token_id], [*mask, 1]
