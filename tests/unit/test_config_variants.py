@@ -172,6 +172,10 @@ def test_summary_names_each_variant() -> None:
     assert "16 prompts per round, up to 10 rounds for 8 informative groups" in dapo
     assert "overlong penalty up to 1 over tokens 48..64" in dapo and "truncated responses masked" in dapo
     assert "synchronous: generate, then train" in summary()
+    assert "one response per sample" in summary()
+    assert "episodes of up to 3 model turn(s) with the tools environment" in summary(
+        "data.env_name=tools", "grpo.max_rollout_turns=3"
+    )
     overlapped = summary(
         "grpo.async_grpo.enabled=true",
         "grpo.async_grpo.max_trajectory_age_steps=2",

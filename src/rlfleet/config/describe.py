@@ -92,6 +92,16 @@ def _schedule(cfg: MasterConfig) -> str:
     )
 
 
+def _rollouts(cfg: MasterConfig) -> str:
+    env, turns = cfg.data.env_name, cfg.grpo.max_rollout_turns
+    if env == "math" and turns == 1:
+        return "one response per sample, scored by env.math.reward_fn (the math environment)"
+    return (
+        f"episodes of up to {turns} model turn(s) with the {env} environment (rows may name others: "
+        "task_name); observations masked out of the loss"
+    )
+
+
 def describe_algorithm(cfg: MasterConfig) -> list[tuple[str, str]]:
     """``(label, text)`` rows: the GRPO objective, the importance-sampling correction, the sampling, and
     whether generation overlaps training."""
@@ -100,4 +110,5 @@ def describe_algorithm(cfg: MasterConfig) -> list[tuple[str, str]]:
         ("IS correction", _importance_sampling(cfg)),
         ("advantages", _sampling(cfg)),
         ("schedule", _schedule(cfg)),
+        ("rollouts", _rollouts(cfg)),
     ]
