@@ -65,9 +65,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/bench_environments"))
     parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps per stage")
+    parser.add_argument("--sft-steps", type=int, help="SFT steps of both warm starts (default: the recipe's)")
     args = parser.parse_args()
     out: Path = args.out.resolve()
     quick = ["sft.max_num_steps=4", "sft.val_period=2", "data.multiplication.num_val=8"] if args.quick else []
+    if args.sft_steps is not None and not args.quick:
+        quick = [f"sft.max_num_steps={args.sft_steps}"]
     grpo_quick = (
         [
             "grpo.max_num_steps=2",

@@ -80,3 +80,14 @@ def test_colocated_vllm_on_ray_matches_the_dedicated_engine(
     assert run.backend.runtime.gen is None  # the engine lives in the training rank
     run.train()
     assert_same_run(comparable(tmp_path), comparable(dedicated))
+
+
+def test_multi_turn_episodes_with_a_dedicated_vllm_engine(
+    ray_cluster: None, tiny_vllm_model_dir: Path, tmp_path: Path
+) -> None:
+    """Episodes whose turns stop at a stop string, sampled by a dedicated vLLM engine on Ray and stepped by
+    an environment in Ray actors: the trainer scores the sampled tokens as the engine did."""
+    from tests.functional.test_grpo_environments import SCRIPTED, check_multi_turn
+
+    trainer(tiny_vllm_model_dir, tmp_path, *DEDICATED, *SCRIPTED, "env.script.num_workers=1").train()
+    check_multi_turn(read_metrics(tmp_path / "logs"))
