@@ -4,6 +4,7 @@ weights, load, wake KV cache) makes the engine's logprobs those of the trainer's
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,13 +20,24 @@ pytestmark = pytest.mark.gpu
 PARAMS = SamplingParams(max_new_tokens=16, temperature=0.8)
 
 
-def test_sleep_refit_wake_cycle_tracks_the_trainer(tiny_vllm_model_dir: Path, tmp_path: Path) -> None:
+def worker_and_engine(
+    model_dir: Path, tmp_path: Path, max_model_len: int
+) -> tuple[Any, VLLMGenerationBackend]:
+    """A policy worker of the tiny model and a colocated float32 vLLM engine beside it (sleep mode on)."""
     pytest.importorskip("vllm")
-    worker = build_worker(small_grpo_config(tiny_vllm_model_dir, tmp_path), seed=0, keep_reference=False)
+    worker = build_worker(small_grpo_config(model_dir, tmp_path), seed=0, keep_reference=False)
     settings = VLLMSettings(
-        precision="float32", max_model_len=128, seed=0, enforce_eager=True, gpu_memory_utilization=0.3
+        precision="float32",
+        max_model_len=max_model_len,
+        seed=0,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
     )
-    engine = VLLMGenerationBackend(worker.model, worker.tokenizer, settings)
+    return worker, VLLMGenerationBackend(worker.model, worker.tokenizer, settings)
+
+
+def test_sleep_refit_wake_cycle_tracks_the_trainer(tiny_vllm_model_dir: Path, tmp_path: Path) -> None:
+    worker, engine = worker_and_engine(tiny_vllm_model_dir, tmp_path, max_model_len=128)
     try:
         prompts = [worker.tokenizer(f"What is {i} + {i}?")["input_ids"] for i in range(1, 9)]
         engine.generate(prompts, PARAMS, seed=0)
@@ -50,16 +62,11 @@ def test_multi_turn_episodes_on_the_gpu_engine_are_token_in_token_out(
 ) -> None:
     """Episodes of 3 turns with stop strings on the GPU vLLM engine: the training sequence holds the sampled
     ids, observations are masked, and the trainer's logprobs of the sampled tokens match the engine's."""
-    pytest.importorskip("vllm")
     from rlfleet.algorithms.episodes import EpisodeRunner
     from rlfleet.data import Example, build_prompts
     from rlfleet.environments.runner import InProcessRunner, build_environment
 
-    worker = build_worker(small_grpo_config(tiny_vllm_model_dir, tmp_path), seed=0, keep_reference=False)
-    settings = VLLMSettings(
-        precision="float32", max_model_len=256, seed=0, enforce_eager=True, gpu_memory_utilization=0.3
-    )
-    engine = VLLMGenerationBackend(worker.model, worker.tokenizer, settings)
+    worker, engine = worker_and_engine(tiny_vllm_model_dir, tmp_path, max_model_len=256)
     try:
         env = build_environment("tests.functional.envs_for_tests:ScriptedEnv", {"turns": 3, "stops": ["e"]})
         runner = EpisodeRunner(engine, worker.tokenizer, {"s": InProcessRunner("s", env)}, "s", 3, 256)
