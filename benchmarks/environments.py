@@ -66,6 +66,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench_environments"))
     parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps per stage")
     parser.add_argument("--sft-steps", type=int, help="SFT steps of both warm starts (default: the recipe's)")
+    parser.add_argument(
+        "--grpo", nargs="*", default=[], help="overrides of the GRPO stage (grpo.max_num_steps=60)"
+    )
     args = parser.parse_args()
     out: Path = args.out.resolve()
     quick = ["sft.max_num_steps=4", "sft.val_period=2", "data.multiplication.num_val=8"] if args.quick else []
@@ -100,7 +103,7 @@ def main() -> None:
 
     start = time.perf_counter()
     grpo_cfg = load_recipe(
-        resolve_recipe_path(GRPO), [*stage_overrides(out, "grpo", tool), *quick, *grpo_quick]
+        resolve_recipe_path(GRPO), [*stage_overrides(out, "grpo", tool), *quick, *grpo_quick, *args.grpo]
     )
     grpo_train(grpo_cfg)
     after = grpo_cfg.checkpointing.checkpoint_dir
