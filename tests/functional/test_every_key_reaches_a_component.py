@@ -177,6 +177,44 @@ def test_every_schema_key_is_read_by_some_component(recorded: set[str], tiny_mod
     finally:
         if monkeypatch_env is not None:
             os.environ["RAY_ADDRESS"] = monkeypatch_env
+    # G: multi-turn GRPO with the tools environment (in a worker process) on the multiplication task.
+    tools = small_grpo_config(
+        tiny_model_dir,
+        tmp_path / "g",
+        *one_step,
+        "data.dataset_name=multiplication",
+        "data.multiplication.num_train=16",
+        "data.multiplication.num_val=4",
+        "data.multiplication.min_digits=2",
+        "data.multiplication.max_digits=3",
+        "data.multiplication.sft_target=direct",
+        "data.multiplication.seed=3",
+        "data.env_name=tools",
+        "grpo.max_rollout_turns=2",
+        "env.tools.num_workers=1",
+        "env.tools.timeout_s=20",
+        "env.tools.tools=[calculator,python]",
+        "env.tools.max_tool_calls=2",
+        "env.tools.reward_fn=rlfleet.rewards.math_reward",
+        "env.tools.sandbox_cpu_seconds=2",
+        "env.tools.sandbox_wall_seconds=4",
+        "policy.max_total_sequence_length=200",
+    )
+    GRPO(ReadRecorder(tools, recorded)).train()  # type: ignore[arg-type]
+    # H: eval with the code environment on arithmetic rows (they carry no code problem: each item fails,
+    # counted, and the run goes on).
+    code = small_grpo_config(
+        tiny_model_dir,
+        tmp_path / "h",
+        "data.env_name=code",
+        "eval.max_val_samples=2",
+        "env.code.num_workers=1",
+        "env.code.timeout_s=20",
+        "env.code.terminate_on_evaluation=false",
+        "env.code.cpu_seconds=2",
+        "env.code.wall_seconds=4",
+    )
+    run_eval(ReadRecorder(code, recorded))  # type: ignore[arg-type]
     seed: MasterConfig = load_recipe(resolve_recipe_path("grpo-gemma3-27b-it-2n8g-fsdp2tp8-noncolocated"))
     make_plan(ReadRecorder(seed, recorded))  # type: ignore[arg-type]
 
