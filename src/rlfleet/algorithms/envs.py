@@ -122,6 +122,19 @@ def build_env_runners(
     return runners
 
 
+def environment_runners(
+    cfg: MasterConfig, layout: ResourceLayout, examples: Iterable[Example]
+) -> dict[str, EnvRunner]:
+    """The runners of the environments the rows use, or none when the run scores single responses."""
+    rows = list(examples)
+    return build_env_runners(cfg, layout, environment_names(cfg, rows) if uses_episodes(cfg, rows) else [])
+
+
+def prompt_tools(cfg: MasterConfig, runners: Mapping[str, EnvRunner]) -> Sequence[Mapping[str, Any]] | None:
+    """The tool schemas the prompts render: the default environment's, when episodes run."""
+    return runners[cfg.data.env_name].environment.tools if runners else None
+
+
 def build_episode_runner(
     cfg: MasterConfig,
     layout: ResourceLayout,

@@ -16,13 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.algorithms.builders import build_policy, build_verifier, load_prompts
-from rlfleet.algorithms.envs import (
-    build_env_runners,
-    build_episode_runner,
-    close_runners,
-    environment_names,
-    uses_episodes,
-)
+from rlfleet.algorithms.envs import build_episode_runner, close_runners, environment_runners, prompt_tools
 from rlfleet.algorithms.episodes import EpisodeRunner
 from rlfleet.algorithms.rollouts import (
     Rollout,
@@ -148,8 +142,7 @@ def run_eval(
     eval_cfg, gen = cfg.eval, cfg.policy.generation
     examples = load_task(cfg.data)  # every data row checked before the model loads
     layout = resource_layout(cfg)
-    rows = [*examples[0], *examples[1]]
-    runners = build_env_runners(cfg, layout, environment_names(cfg, rows) if uses_episodes(cfg, rows) else [])
+    runners = environment_runners(cfg, layout, [*examples[0], *examples[1]])
     try:
         policy, backend = build_policy(cfg, layout, seed=eval_cfg.seed, keep_reference=False)
     except BaseException:
@@ -159,9 +152,8 @@ def run_eval(
         if checkpoint is not None:
             policy.load_weights(checkpoint)
             backend.refit()
-        tools = runners[cfg.data.env_name].environment.tools if runners else None
         limit = eval_cfg.max_val_samples or 10**9
-        prompts = load_prompts(cfg, policy.tokenizer, limit, examples, tools=tools).val
+        prompts = load_prompts(cfg, policy.tokenizer, limit, examples, tools=prompt_tools(cfg, runners)).val
         n, greedy = eval_cfg.num_tests_per_prompt, eval_cfg.num_tests_per_prompt == 1
         params = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k, greedy=greedy)
         episodes = None

@@ -15,13 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.algorithms.builders import TaskData, build_policy, build_verifier, load_prompts
-from rlfleet.algorithms.envs import (
-    build_env_runners,
-    build_episode_runner,
-    close_runners,
-    environment_names,
-    uses_episodes,
-)
+from rlfleet.algorithms.envs import build_episode_runner, close_runners, environment_runners, prompt_tools
 from rlfleet.algorithms.episodes import EpisodeRunner
 from rlfleet.checkpoint import CheckpointManager
 from rlfleet.config import MasterConfig, config_to_yaml
@@ -122,17 +116,17 @@ def start_run(
     releases it at the end.
     """
     examples = load_task(cfg.data)  # every data row checked before anything expensive starts
-    episodic = with_environments and uses_episodes(cfg, [*examples[0], *examples[1]])
-    names = environment_names(cfg, [*examples[0], *examples[1]]) if episodic else []
+    rows = [*examples[0], *examples[1]] if with_environments else []
     with ExitStack() as started:
-        runners = build_env_runners(cfg, layout, names)  # every class built once: a bad one fails here
+        runners = environment_runners(cfg, layout, rows)  # every class built once: a bad one fails here
         started.callback(close_runners, runners)
         policy, backend = build_policy(cfg, layout, seed=seed, keep_reference=keep_reference)
         started.callback(policy.close)
         verifier = build_verifier(cfg, layout)
         started.callback(verifier.close)
-        tools = runners[cfg.data.env_name].environment.tools if episodic else None
-        data = load_prompts(cfg, policy.tokenizer, max_val_samples, examples, tools=tools)
+        data = load_prompts(
+            cfg, policy.tokenizer, max_val_samples, examples, tools=prompt_tools(cfg, runners)
+        )
         ctx = make_context(
             cfg,
             policy,
@@ -144,7 +138,7 @@ def start_run(
             max_num_epochs=max_num_epochs,
         )
         started.callback(ctx.logger.close, failed=True)
-        if episodic:
+        if runners:
             system_prompt = resolve_system_prompt(cfg.data)
             ctx.episodes = build_episode_runner(
                 cfg, layout, backend, policy.tokenizer, runners, system_prompt
