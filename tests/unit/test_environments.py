@@ -234,6 +234,8 @@ def test_a_users_environment_is_configured_under_its_own_name() -> None:
     assert cfg.env.custom()["chess"].cfg == {"depth": 3}
     with pytest.raises(ValueError, match=r"env\.chess is not a built-in environment"):
         MasterConfig.model_validate({"env": {"chess": {"num_workers": 2}}})
+    with pytest.raises(ValueError, match=r"did you mean env\.tools\?"):
+        MasterConfig.model_validate({"env": {"tols": {"num_workers": 2}}})
 
 
 def test_rows_name_their_environment(tmp_path: Any) -> None:

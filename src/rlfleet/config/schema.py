@@ -12,6 +12,7 @@ several fields, even of one section, is checked in :mod:`rlfleet.config.checks`.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -492,8 +493,11 @@ class EnvConfig(Strict):
                 problems = "; ".join(
                     f"env.{name}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
                 )
+                close = difflib.get_close_matches(name, ["math", "tools", "code"], n=1)
+                typo = f"did you mean env.{close[0]}? " if close else ""
                 raise ValueError(
-                    f"env.{name} is not a built-in environment (math, tools, code), so it must be a user's: "
+                    f"{typo}env.{name} is not a built-in environment (math, tools, code), so it must be a "
+                    "user's: "
                     f"env.{name}.environment (import path of the class), num_workers, timeout_s, cfg "
                     f"({problems})"
                 ) from None
