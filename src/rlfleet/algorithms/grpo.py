@@ -34,7 +34,7 @@ correction accounts for (see :mod:`rlfleet.algorithms.async_rollouts`, also for 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -260,6 +260,8 @@ class GRPO:
         if rows == 0 or float(batch.response_mask[:rows].sum()) == 0:  # nothing trainable (or all masked)
             return None
         batch = batch.select(0, rows) if rows < len(batch) else batch
+        if self.cfg.grpo.skip_zero_advantage_rows:
+            batch = batch.with_(inert=inert_rows(batch, self.cfg.loss_fn.reference_policy_kl_penalty))
         return TrainingBatch(batch, global_batch, rows == global_batch and not self.always_compute_prev)
 
     def _update(self, trainable: TrainingBatch, timer: PhaseTimer) -> Update:
@@ -267,14 +269,19 @@ class GRPO:
         policy, settings = self.ctx.policy, self.settings
         temperature = self.cfg.policy.generation.temperature
         batch = trainable.batch
+
+        def pass_over(reference: bool) -> torch.Tensor:  # inert rows skipped
+            return trained_logprobs(
+                batch,
+                settings.data_parallel,
+                lambda rows: policy.logprobs(
+                    rows, settings.logprob_batching, reference=reference, temperature=temperature
+                ),
+            )
+
         with timer("logprobs"):
-            prev = ref = None
-            if not trainable.prev_from_forward:
-                prev = policy.logprobs(batch, settings.logprob_batching, temperature=temperature)
-            if policy.has_reference:
-                ref = policy.logprobs(
-                    batch, settings.logprob_batching, reference=True, temperature=temperature
-                )
+            prev = None if trainable.prev_from_forward else pass_over(reference=False)
+            ref = pass_over(reference=True) if policy.has_reference else None
         batch = batch.with_(prev_logprobs=prev, ref_logprobs=ref)
         loss_fn = replace(settings.loss_fn, prev_from_training_forward=prev is None)
         with timer("training"):
@@ -288,15 +295,19 @@ class GRPO:
         metrics = {f"train/{k}": v for k, v in train.items()}
         metrics["train/update_skipped"] = 0.0
         metrics["train/num_tokens"] = int(trainable.batch.attention_mask.sum())
+        inert = batch.inert
+        metrics["train/skipped_rows"] = 0.0 if inert is None else float(inert.float().mean())
         return Update(metrics, trainable)
 
     # --------------------------------------------------------------------------------- around the step
 
     def _throughput(self, trained: TrainingBatch, timing: dict[str, float]) -> dict[str, float]:
         """Tokens per second of each phase, and per worker with its imbalance on Ray."""
-        batch, policy = trained.batch, self.ctx.policy
-        response_tokens = float(batch.response_mask.sum())
-        all_tokens = float(batch.attention_mask.sum())
+        policy = self.ctx.policy
+        batch = trained.batch
+        response_tokens = float(batch.response_mask.sum())  # all generated
+        computed = batch.attention_mask if batch.inert is None else batch.attention_mask[~batch.inert]
+        all_tokens = float(computed.sum())  # of the rows the passes computed
         out = {
             "perf/generation_tokens_per_s": response_tokens / max(timing["timing/generation"], 1e-9),
             "perf/training_tokens_per_s": all_tokens / max(timing["timing/training"], 1e-9),
@@ -306,7 +317,7 @@ class GRPO:
         extra_passes = int(not trained.prev_from_forward) + int(policy.has_reference)
         out.update(policy.take_metrics(int(all_tokens * (1 + extra_passes))))
         if self.flops is not None:
-            lengths = [int(n) for n in batch.attention_mask.sum(dim=1).tolist()]
+            lengths = [int(n) for n in computed.sum(dim=1).tolist()]
             seconds = timing["timing/training"] + timing.get("timing/logprobs", 0.0)
             out["perf/training_mfu"] = self.flops.step_mfu(lengths, extra_passes, seconds)
         return out
@@ -349,6 +360,42 @@ class GRPO:
         finally:
             if self.prefetcher is not None:
                 self.prefetcher.close()
+
+
+def inert_rows(batch: TrainBatch, kl_penalty: float) -> torch.Tensor:
+    """``[B]`` rows whose loss and gradient are exactly zero: no response token, or (without a KL term) an
+    advantage of exactly 0 (every row of a group with equal rewards), whatever the ratio, clipping or
+    importance weights (each multiplies the advantage)."""
+    if batch.advantages is None:
+        raise ValueError("inert rows are decided by the advantages; set them first")
+    empty = batch.response_mask.sum(dim=1) == 0
+    return empty | (batch.advantages == 0) if kl_penalty == 0 else empty
+
+
+def computed_rows(batch: TrainBatch, dp_size: int) -> list[int]:
+    """The rows a logprob pass computes: those not inert, plus the first inert ones where the
+    ``dp_size`` data-parallel ranks need a count they split evenly (at least one row)."""
+    if batch.inert is None:
+        return list(range(len(batch)))
+    flags = batch.inert.tolist()
+    rows = [i for i, inert in enumerate(flags) if not inert]
+    spare = [i for i, inert in enumerate(flags) if inert]
+    missing = -len(rows) % dp_size if rows else dp_size
+    return sorted(rows + spare[:missing])
+
+
+def trained_logprobs(
+    batch: TrainBatch, dp_size: int, logprobs: Callable[[TrainBatch], torch.Tensor]
+) -> torch.Tensor:
+    """``[B, T]`` ``logprobs(rows)`` over the rows the training pass computes (``computed_rows``), zero on
+    inert rows, whose loss does not read them."""
+    rows = computed_rows(batch, dp_size)
+    if len(rows) == len(batch):
+        return logprobs(batch)
+    part = logprobs(batch.take(rows))
+    out = torch.zeros(batch.input_ids.shape, dtype=part.dtype)
+    out[torch.tensor(rows), : part.shape[1]] = part
+    return out
 
 
 def collected_timing(collected: Collected) -> dict[str, float]:

@@ -95,6 +95,12 @@ class GRPOConfig(Strict):
         description="Mask truncated responses (no EOS within max_new_tokens) out of the loss; they still "
         "count in their group's baseline.",
     )
+    skip_zero_advantage_rows: bool = Field(
+        True,
+        description="Rows whose loss is exactly zero (advantage 0 without a KL term, e.g. every row of a "
+        "group whose rewards are all equal; rows with no response token) count in the loss's normaliser "
+        "but skip the logprob and training passes: the same update, less work. Not a NeMo RL key.",
+    )
     reward_shaping: RewardShapingConfig = RewardShapingConfig()
     async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
 

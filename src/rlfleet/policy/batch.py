@@ -25,6 +25,9 @@ class TrainBatch:
         prev_logprobs: ``[B, T]`` logprobs of the policy before this update, or None.
         ref_logprobs: ``[B, T]`` logprobs of the frozen reference policy, or None.
         generation_logprobs: ``[B, T]`` logprobs reported by the generation backend, or None.
+        inert: ``[B]`` bool, rows whose loss and gradient are exactly zero (GRPO: advantage 0 and no KL
+            term); the training pass counts them in the loss's normaliser but does not compute them. None:
+            every row is computed.
     """
 
     input_ids: torch.Tensor
@@ -34,6 +37,7 @@ class TrainBatch:
     prev_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     generation_logprobs: torch.Tensor | None = None
+    inert: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -206,6 +206,17 @@ class Normalizer:
 
     num_tokens: float
     num_sequences: float
+    trained_tokens: float | None = None  # when rows with an exactly-zero loss are skipped: those computed
+    trained_sequences: float | None = None
+
+    @property
+    def of_trained(self) -> Normalizer:
+        """The counts of the rows actually computed: metrics (ratio, clip fraction, ...) average over
+        them, while the loss keeps the global counts (a skipped row adds 0 to its numerator, not to its
+        denominator)."""
+        tokens = self.num_tokens if self.trained_tokens is None else self.trained_tokens
+        sequences = self.num_sequences if self.trained_sequences is None else self.trained_sequences
+        return Normalizer(tokens, sequences)
 
 
 def aggregate(

@@ -123,23 +123,24 @@ class ClippedPGLossFn:
         if self.importance_sampling_correction:
             is_weights = self._importance_weights(prev, mb)
             per_token = per_token * is_weights.weights
-            metrics = _importance_metrics(is_weights, mask, norm)
+            metrics = _importance_metrics(is_weights, mask, norm.of_trained)
         kl = torch.zeros_like(logprobs)
         if self.kl_penalty > 0:
             kl = self._kl(logprobs, mb)
             per_token = per_token + self.kl_penalty * kl
         loss = self._aggregate(per_token, mask, norm)
+        trained = norm.of_trained  # the metrics are means over the rows computed
         with torch.no_grad():
             clipped = ((ratio < 1 - self.eps_low) | (ratio > 1 + self.eps_high)).float()
             metrics |= {
                 "loss": float(loss.detach()),
-                "kl": float(aggregate(kl, mask, norm, True)),
-                "ratio": float(aggregate(ratio, mask, norm, True)),
-                "clip_fraction": float(aggregate(clipped, mask, norm, True)),
+                "kl": float(aggregate(kl, mask, trained, True)),
+                "ratio": float(aggregate(ratio, mask, trained, True)),
+                "clip_fraction": float(aggregate(clipped, mask, trained, True)),
             }
             if mb.generation_logprobs is not None:
                 error = (prev - mb.generation_logprobs).abs()
-                metrics["gen_logprob_error"] = float(aggregate(error, mask, norm, True))
+                metrics["gen_logprob_error"] = float(aggregate(error, mask, trained, True))
         return loss, metrics
 
     def _kl(self, logprobs: torch.Tensor, mb: TrainBatch) -> torch.Tensor:

@@ -24,7 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from rlfleet.policy.batch import TrainBatch
+from rlfleet.policy.loss import Normalizer
 from rlfleet.utils.intmath import round_up
 
 PackingAlgorithm = Literal["first_fit_decreasing", "modified_first_fit_decreasing", "concatenative"]
@@ -215,6 +218,36 @@ def plan_micro_batches(
     return [split_to_count(p, count) for p in plans]
 
 
+def plan_trained_micro_batches(
+    lengths: Sequence[int], trained: Sequence[bool], batching: MicroBatching, num_shards: int = 1
+) -> list[list[list[int]]]:
+    """``plan_micro_batches`` over the rows that ``trained`` marks (the others carry no gradient and are
+    skipped), as row indices into each shard's share.
+
+    Data-parallel ranks must still run equal forward passes: a shard with fewer marked rows than the
+    largest shard's micro-batch count takes back its first unmarked rows until it can split that many
+    ways (an unmarked row adds exactly nothing). With no marked row anywhere each shard computes its first
+    row, so that the step still reports its loss and the optimizer still steps on a gradient (of zeros).
+    """
+    if len(lengths) % num_shards or len(trained) != len(lengths):
+        raise ValueError(f"{len(lengths)} rows ({len(trained)} marks) do not split over {num_shards} shards")
+    share = len(lengths) // num_shards
+    mine = [[i for i in range(share) if trained[s * share + i]] for s in range(num_shards)]
+
+    def shard_plan(s: int, rows: list[int]) -> list[list[int]]:
+        groups = plan_micro_batches([lengths[s * share + i] for i in rows], batching)[0] if rows else []
+        return [[rows[j] for j in g] for g in groups]
+
+    plans = [shard_plan(s, rows) for s, rows in enumerate(mine)]
+    count = max(1, max(len(p) for p in plans))
+    for s, rows in enumerate(mine):
+        if len(rows) < count:
+            spare = [i for i in range(share) if not trained[s * share + i]]
+            rows = sorted(rows + spare[: count - len(rows)])
+            plans[s] = shard_plan(s, rows)
+    return [split_to_count(p, count) for p in plans]
+
+
 def padding_fraction(lengths: Sequence[int], plan: Sequence[Sequence[int]], batching: MicroBatching) -> float:
     """Share of the token slots the model computes that are padding, under ``plan``."""
     real = sum(lengths[i] for group in plan for i in group)
@@ -227,15 +260,17 @@ def padding_metrics(
 ) -> dict[str, float]:
     """Padding share of the training forward passes over ``batch`` (all ranks), as planned by ``batching``
     (``padding_fraction``) and as fixed micro-batches of ``batching.rows`` rows would have it
-    (``padding_fraction_fixed_rows``, the layout before dynamic batching / packing)."""
+    (``padding_fraction_fixed_rows``, the layout before dynamic batching / packing); rows that are skipped
+    (``trained_rows``) are not computed, so they count in neither."""
     fixed = MicroBatching(rows=batching.rows)
     out = {"padding_fraction": 0.0, "padding_fraction_fixed_rows": 0.0}
     num_steps = len(batch) // global_batch_size
     for start in range(0, len(batch), global_batch_size):
-        lengths = row_lengths(batch.select(start, start + global_batch_size))
+        global_batch = batch.select(start, start + global_batch_size)
+        lengths, trained = row_lengths(global_batch), trained_rows(global_batch)
         share = len(lengths) // num_shards
         for key, how in (("padding_fraction", batching), ("padding_fraction_fixed_rows", fixed)):
-            plans = plan_micro_batches(lengths, how, num_shards)
+            plans = plan_trained_micro_batches(lengths, trained, how, num_shards)
             groups = [[s * share + i for i in g] for s, plan in enumerate(plans) for g in plan]
             out[key] += padding_fraction(lengths, groups, how) / num_steps
     return out
@@ -253,3 +288,25 @@ def _slots(lengths: Sequence[int], batching: MicroBatching) -> int:
 def row_lengths(batch: TrainBatch) -> list[int]:
     """Real tokens per row (the batch is right-padded)."""
     return [int(n) for n in batch.attention_mask.sum(dim=1)]
+
+
+def step_counts(batch: TrainBatch) -> list[float]:
+    """``[response tokens, rows, response tokens computed, rows computed]`` of (a rank's share of) one
+    global batch: summed over the ranks, the arguments of its ``Normalizer``."""
+    trained = torch.tensor(trained_rows(batch), dtype=torch.bool)
+    tokens = batch.response_mask.sum(dim=1)
+    return [float(tokens.sum()), float(len(batch)), float(tokens[trained].sum()), float(trained.sum())]
+
+
+def step_normalizer(counts: Sequence[float]) -> Normalizer:
+    """The global ``Normalizer`` of one optimizer step from the (summed) ``step_counts``."""
+    tokens, rows, trained_tokens, trained_sequences = counts
+    return Normalizer(tokens, rows, trained_tokens, trained_sequences)
+
+
+def trained_rows(batch: TrainBatch) -> list[bool]:
+    """Which rows the training pass computes: all, unless ``batch.inert`` marks rows whose loss and
+    gradient are exactly zero."""
+    if batch.inert is None:
+        return [True] * len(batch)
+    return [not bool(flag) for flag in batch.inert]

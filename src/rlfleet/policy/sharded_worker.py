@@ -31,8 +31,14 @@ from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.build import MASTER_DTYPE, build_policy_models
 from rlfleet.policy.interface import LossFn
 from rlfleet.policy.logprobs import batch_logprobs
-from rlfleet.policy.loss import Normalizer
-from rlfleet.policy.microbatch import MicroBatching, plan_micro_batches, row_lengths
+from rlfleet.policy.microbatch import (
+    MicroBatching,
+    plan_trained_micro_batches,
+    row_lengths,
+    step_counts,
+    step_normalizer,
+    trained_rows,
+)
 from rlfleet.policy.parallelize import build_mesh, clip_grad_norm
 from rlfleet.policy.worker import OptimizerSettings, TrainablePolicy
 
@@ -167,9 +173,9 @@ class ShardedPolicyWorker(TrainablePolicy):
     ) -> dict[str, float]:
         first, stop = self._my_rows(0, len(global_batch))
         batch = global_batch.select(first, stop)
-        plan = plan_micro_batches(row_lengths(global_batch), batching, self.dp_size)[self.dp_rank]
-        tokens, rows = self._all_reduce([float(batch.response_mask.sum()), float(len(batch))])
-        norm = Normalizer(num_tokens=tokens, num_sequences=rows)
+        lengths, trained = row_lengths(global_batch), trained_rows(global_batch)
+        plan = plan_trained_micro_batches(lengths, trained, batching, self.dp_size)[self.dp_rank]
+        norm = step_normalizer(self._all_reduce(step_counts(batch)))
         start = time.perf_counter()
         # FSDP averages gradients over data-parallel ranks; each rank's loss is already its share of the
         # global loss, so undo the average.

@@ -28,8 +28,11 @@ from rlfleet.policy.microbatch import (
     MicroBatching,
     as_micro_batching,
     padding_metrics,
-    plan_micro_batches,
+    plan_trained_micro_batches,
     row_lengths,
+    step_counts,
+    step_normalizer,
+    trained_rows,
 )
 
 
@@ -277,8 +280,8 @@ class PolicyWorker(TrainablePolicy):
     def _optimizer_step(
         self, batch: TrainBatch, loss_fn: LossFn, batching: MicroBatching, temperature: float
     ) -> dict[str, float]:
-        norm = Normalizer(num_tokens=float(batch.response_mask.sum()), num_sequences=float(len(batch)))
-        plan = plan_micro_batches(row_lengths(batch), batching)[0]
+        norm = step_normalizer(step_counts(batch))
+        plan = plan_trained_micro_batches(row_lengths(batch), trained_rows(batch), batching)[0]
         metrics = self._accumulate(batch, loss_fn, norm, plan, batching, temperature)
         max_norm = self.settings.max_grad_norm if self.settings.max_grad_norm is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm)
