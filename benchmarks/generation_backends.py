@@ -159,6 +159,34 @@ def bench_hf(
     return out
 
 
+def generate_ignoring_eos(
+    backend: VLLMGenerationBackend, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], n: int
+) -> int:
+    """Generated tokens of one engine call: ``VLLMGenerationBackend.generate_rows``'s request (row seed,
+    temperature 1, ``logprobs=0``, no detokenisation) plus ``ignore_eos``, so every row makes ``n``."""
+    from vllm import SamplingParams as EngineParams
+    from vllm.inputs import TokensPrompt
+
+    requests = [
+        EngineParams(
+            n=1,
+            seed=row_seed,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=-1,
+            max_tokens=n,
+            logprobs=0,
+            stop_token_ids=[tokenizer.eos_token_id],
+            ignore_eos=True,
+            detokenize=False,
+        )
+        for row_seed in row_seeds(SEED, len(prompts))
+    ]
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    outputs = backend.llm.generate(inputs, requests, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
 def bench_vllm(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -167,9 +195,6 @@ def bench_vllm(
     precision: str,
     eager: bool,
 ) -> list[tuple[int, float, int]]:
-    from vllm import SamplingParams as EngineParams
-    from vllm.inputs import TokensPrompt
-
     settings = VLLMSettings(
         precision=precision,
         max_model_len=max(map(len, prompts)) + max(lengths),
@@ -177,26 +202,9 @@ def bench_vllm(
         enforce_eager=eager,
     )
     backend = VLLMGenerationBackend(model, tokenizer, settings)
-    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
     def generate(n: int, rows: int) -> int:
-        requests = [  # VLLMGenerationBackend.generate_rows's request, plus ignore_eos
-            EngineParams(
-                n=1,
-                seed=row_seed,
-                temperature=1.0,
-                top_p=1.0,
-                top_k=-1,
-                max_tokens=n,
-                logprobs=0,
-                stop_token_ids=[tokenizer.eos_token_id],
-                ignore_eos=True,
-                detokenize=False,
-            )
-            for row_seed in row_seeds(SEED, rows)
-        ]
-        outputs = backend.llm.generate(inputs[:rows], requests, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outputs)
+        return generate_ignoring_eos(backend, tokenizer, prompts[:rows], n)
 
     try:
         generate(4, 2)  # warm-up

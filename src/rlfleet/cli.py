@@ -14,6 +14,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from rlfleet.config import (
@@ -30,6 +31,7 @@ from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.layout import resource_layout
 from rlfleet.deploy.cli import add_deploy_commands
 from rlfleet.errors import UserError
+from rlfleet.logging.capture import ConsoleCapture
 
 log = logging.getLogger("rlfleet")
 
@@ -57,16 +59,22 @@ def _load(recipe: str, overrides: Sequence[str]) -> MasterConfig:
     return load_recipe(resolve_recipe_path(recipe), list(overrides))
 
 
+def quiet_console(args: argparse.Namespace, log_dir: str | Path) -> AbstractContextManager[object]:
+    """Library output to ``log_dir``'s log file for the run (``--verbose``: everything stays here)."""
+    return nullcontext() if args.verbose else ConsoleCapture(log_dir)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args.recipe, args.overrides)
-    if args.command == "grpo":
-        from rlfleet.algorithms.grpo import grpo_train
+    with quiet_console(args, cfg.logger.log_dir):
+        if args.command == "grpo":
+            from rlfleet.algorithms.grpo import grpo_train
 
-        grpo_train(cfg)
-    else:
-        from rlfleet.algorithms.sft import sft_train
+            grpo_train(cfg)
+        else:
+            from rlfleet.algorithms.sft import sft_train
 
-        sft_train(cfg)
+            sft_train(cfg)
     return 0
 
 
@@ -108,7 +116,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     # the scored responses go beside the report, or under the recipe's log directory without one
     out = Path(args.out) if args.out else None
     samples = out.with_suffix(".samples.jsonl") if out else Path(cfg.logger.log_dir) / "eval_samples.jsonl"
-    report = run_eval(cfg, checkpoint, samples)
+    with quiet_console(args, cfg.logger.log_dir):
+        report = run_eval(cfg, checkpoint, samples)
     print(report.table())
     if args.out:
         Path(args.out).write_text(report.to_json() + "\n")
@@ -127,13 +136,20 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from rlfleet.demo import run_demo
 
-    run_demo(Path(args.out), args.overrides)
+    with quiet_console(args, Path(args.out)):
+        run_demo(Path(args.out), args.overrides)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlfleet", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="debug logging, and library output (vLLM, Triton, warnings) on the console instead of "
+        "logger.log_dir/output.log",
+    )
     parser.add_argument(
         "--debug",
         action="store_true",

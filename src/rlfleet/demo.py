@@ -21,6 +21,7 @@ from rlfleet.config import (
 )
 from rlfleet.data import load_prompt_template, load_task, render_prompt, resolve_system_prompt
 from rlfleet.logging import read_metrics
+from rlfleet.logging.capture import terminal
 from rlfleet.models.tiny import TinyModelSpec, create_tiny_model, train_tokenizer
 
 log = logging.getLogger("rlfleet")
@@ -78,7 +79,7 @@ def run_demo(out: Path, overrides: Sequence[str] = (), sft_overrides: Sequence[s
     sft_cfg = load_recipe(
         resolve_recipe_path(SFT_RECIPE), [*stage_overrides(out, "sft", base), *sft_overrides]
     )
-    print(f"== stage 1/2: SFT warm start of {base}", flush=True)
+    print(f"== stage 1/2: SFT warm start of {base}", flush=True, file=terminal())
     sft_train(sft_cfg)
     sft_model = out / "sft_model"
     if not (sft_model / "config.json").is_file():
@@ -89,7 +90,7 @@ def run_demo(out: Path, overrides: Sequence[str] = (), sft_overrides: Sequence[s
     grpo_cfg = load_recipe(
         resolve_recipe_path(GRPO_RECIPE), [*stage_overrides(out, "grpo", sft_model), *overrides]
     )
-    print(f"== stage 2/2: GRPO from {sft_model}", flush=True)
+    print(f"== stage 2/2: GRPO from {sft_model}", flush=True, file=terminal())
     grpo_train(grpo_cfg)
     curve = val_accuracy_curve(Path(grpo_cfg.logger.log_dir))
     before, after = curve[0][1], curve[-1][1]
@@ -104,5 +105,6 @@ def run_demo(out: Path, overrides: Sequence[str] = (), sft_overrides: Sequence[s
         f"checkpoints: {grpo_cfg.checkpointing.checkpoint_dir}\n"
         f"TensorBoard: tensorboard --logdir {log_dir}",
         flush=True,
+        file=terminal(),
     )
     return {"val_accuracy_before": before, "val_accuracy_after": after}

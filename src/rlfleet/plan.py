@@ -16,6 +16,7 @@ from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.checks import layout_problems, unsupported_settings
 from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.layout import ResourceLayout, resource_layout
+from rlfleet.config.resolved import policy_precision
 from rlfleet.config.schema import ArchitectureConfig, MasterConfig
 
 GIB = 1024**3
@@ -109,7 +110,7 @@ def make_plan(cfg: MasterConfig) -> tuple[Plan, list[str]]:
         trainable_parameters=trainable,
         gen_memory_utilization=p.generation.vllm_cfg.gpu_memory_utilization,
         gen_max_model_len=p.generation.vllm_cfg.max_model_len or p.max_total_sequence_length,
-        gen_engine=vllm_engine_summary(cfg, layout=layout) if p.generation.backend == "vllm" else None,
+        gen_engine=vllm_engine_summary(cfg, layout=layout) if layout.backend == "vllm" else None,
     )
     return plan, problems
 
@@ -125,8 +126,9 @@ def vllm_engine_summary(cfg: MasterConfig, *, layout: ResourceLayout | None = No
     if uses_ray(cfg, layout=layout):  # a Ray-hosted engine starts without weights and receives the trainer's
         how = "gathered" if p.generation.colocated.enabled else "broadcast from training rank 0"
         weights = f"dummy, then the trainer's ({how}) before the first generation"
+    dtype = v.precision or policy_precision(cfg).name
     text = (
-        f"vLLM ({'async' if v.async_engine else 'sync'}) {v.precision or p.precision}, max_model_len "
+        f"vLLM ({'async' if v.async_engine else 'sync'}) {dtype}, max_model_len "
         f"{v.max_model_len or p.max_total_sequence_length}, weights at start: {weights}, "
         f"{'eager' if v.enforce_eager else 'CUDA graphs on GPU'}, refit after every optimizer step"
     )
@@ -217,7 +219,8 @@ def format_plan(cfg: MasterConfig, plan: Plan, recipe: str) -> str:
     lines.append(f"  memory per training GPU (sharded over {lay.train_world}; activations excluded):")
     lines += [f"    {name:<30}{gib:8.1f} GiB" for name, gib in mem.items()]
     lines.append(f"    {'total':<30}{sum(mem.values()):8.1f} GiB")
-    gen_precision = (p.generation.vllm_cfg.precision or p.precision) if lay.backend == "vllm" else p.precision
+    compute = policy_precision(cfg).name
+    gen_precision = (p.generation.vllm_cfg.precision or compute) if lay.backend == "vllm" else compute
     gen_weights = plan.parameters * BYTES[gen_precision] / lay.gen_tp / GIB
     lines.append("  memory per generation GPU:")
     lines.append(f"    {'weights (' + gen_precision + ')':<30}{gen_weights:8.1f} GiB")

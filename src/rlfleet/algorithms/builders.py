@@ -21,7 +21,7 @@ from rlfleet.config import MasterConfig
 from rlfleet.config.batching import Pass, micro_batch_rows, micro_batch_tokens
 from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.layout import ResourceLayout, resource_layout
-from rlfleet.config.resolved import truncation_type
+from rlfleet.config.resolved import generation_backend, policy_precision, truncation_type
 from rlfleet.data import (
     Example,
     Prompt,
@@ -53,7 +53,8 @@ log = logging.getLogger("rlfleet")
 def model_source(cfg: MasterConfig) -> ModelSource:
     """Where every worker loads the policy from."""
     policy = cfg.policy
-    return ModelSource(policy.model_name, policy.precision, policy.gguf_file, policy.tokenizer.name)
+    precision = policy_precision(cfg).name
+    return ModelSource(policy.model_name, precision, policy.gguf_file, policy.tokenizer.name)
 
 
 def optimizer_settings(cfg: MasterConfig) -> OptimizerSettings:
@@ -111,7 +112,7 @@ def vllm_settings(cfg: MasterConfig, seed: int) -> VLLMSettings:
     policy = cfg.policy
     vllm = policy.generation.vllm_cfg
     return VLLMSettings(
-        precision=vllm.precision or policy.precision,
+        precision=vllm.precision or policy_precision(cfg).name,
         max_model_len=vllm.max_model_len or policy.max_total_sequence_length,
         seed=seed,
         enforce_eager=vllm.enforce_eager,
@@ -138,7 +139,7 @@ def build_backend(cfg: MasterConfig, worker: PolicyWorker, *, seed: int) -> Gene
 
     A vLLM engine is closed with the worker (``worker.close()``), which the loops already call.
     """
-    if cfg.policy.generation.backend == "vllm":
+    if generation_backend(cfg).name == "vllm":
         engine = VLLMGenerationBackend(worker.model, worker.tokenizer, vllm_settings(cfg, seed))
         worker.closers.append(engine.close)
         return engine
@@ -157,6 +158,9 @@ def build_policy(
 
     The caller owns what this starts: ``policy.close()`` stops the Ray actors (a no-op in-process).
     """
+    resolved = generation_backend(cfg)
+    if resolved.reason != "set by the recipe":
+        log.info("generation: %s (%s)", resolved.name, resolved.reason)
     if not uses_ray(cfg, layout=layout):
         worker = build_worker(cfg, seed=seed, keep_reference=keep_reference)
         return worker, build_backend(cfg, worker, seed=seed)
@@ -175,7 +179,7 @@ def build_policy(
             lora=lora_settings(cfg),
         ),
         generation_batch_size=policy_cfg.generation.batch_size,
-        vllm=ray_vllm_settings(cfg, seed) if policy_cfg.generation.backend == "vllm" else None,
+        vllm=ray_vllm_settings(cfg, seed) if layout.backend == "vllm" else None,
         keep_reference=keep_reference,
         seed=seed,
         call_timeout_s=cluster.call_timeout_s,
@@ -270,7 +274,7 @@ def micro_batching(cfg: MasterConfig, pass_: Pass) -> MicroBatching:
 
 def flop_meter(cfg: MasterConfig, policy: Policy, layout: ResourceLayout | None = None) -> FlopMeter | None:
     """The MFU meter of a run on GPUs whose peak is known (None on CPUs: no meaningful peak)."""
-    peak = peak_flops(policy.accelerator_name(), 32 if cfg.policy.precision == "float32" else 16)
+    peak = peak_flops(policy.accelerator_name(), 32 if policy_precision(cfg).name == "float32" else 16)
     if peak is None:
         return None
     with torch.device("meta"):  # the shape only: no memory, no weights read

@@ -29,6 +29,7 @@ from rlfleet.config.capabilities import needs_several_processes, uses_ray
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.metric_names import LOGGED_METRICS, normalize_metric_name
+from rlfleet.config.resolved import generation_backend
 from rlfleet.config.schema import MasterConfig
 from rlfleet.utils.intmath import round_up
 
@@ -230,7 +231,7 @@ def _length_problems(cfg: MasterConfig) -> list[str]:
     new_tokens, total = cfg.policy.generation.max_new_tokens, cfg.policy.max_total_sequence_length
     model_len = cfg.policy.generation.vllm_cfg.max_model_len
     problems = []
-    if cfg.policy.generation.backend == "vllm" and model_len is not None and model_len < total:
+    if generation_backend(cfg).name == "vllm" and model_len is not None and model_len < total:
         problems.append(
             f"policy.generation.vllm_cfg.max_model_len={model_len} is shorter than "
             f"policy.max_total_sequence_length={total}, so vLLM would cut sequences the trainer expects; "
@@ -469,7 +470,7 @@ def unsupported_settings(
             "would need their own column/row plans); fix: policy.dtensor_cfg.tensor_parallel_size=1 "
             "(FSDP2 still shards the model over every GPU), or lora_cfg.enabled=false"
         )
-    if cfg.policy.generation.backend == "vllm":
+    if generation_backend(cfg).name == "vllm":
         problems += _vllm_problems(cfg, here)
     return problems
 

@@ -4,7 +4,7 @@ before anything runs."""
 
 from __future__ import annotations
 
-from rlfleet.config.resolved import truncation_type
+from rlfleet.config.resolved import generation_backend, policy_precision, truncation_type
 from rlfleet.config.schema import MasterConfig
 
 
@@ -102,13 +102,28 @@ def _rollouts(cfg: MasterConfig) -> str:
     )
 
 
+def _precision(cfg: MasterConfig) -> str:
+    resolved = policy_precision(cfg)
+    if resolved.name == "float32":
+        return f"float32 ({resolved.reason})"
+    return f"{resolved.name} compute, float32 master weights and AdamW state ({resolved.reason})"
+
+
+def _generation(cfg: MasterConfig) -> str:
+    backend = generation_backend(cfg)
+    name = "vLLM" if backend.name == "vllm" else "transformers' generate"
+    return name if backend.reason == "set by the recipe" else f"{name} ({backend.reason})"
+
+
 def describe_algorithm(cfg: MasterConfig) -> list[tuple[str, str]]:
-    """``(label, text)`` rows: the GRPO objective, the importance-sampling correction, the sampling, and
-    whether generation overlaps training."""
+    """``(label, text)`` rows: the GRPO objective, the importance-sampling correction, the sampling, whether
+    generation overlaps training, the rollouts and the compute dtype."""
     return [
         ("loss", _loss(cfg)),
         ("IS correction", _importance_sampling(cfg)),
         ("advantages", _sampling(cfg)),
         ("schedule", _schedule(cfg)),
         ("rollouts", _rollouts(cfg)),
+        ("precision", _precision(cfg)),
+        ("generation", _generation(cfg)),
     ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlfleet.config.resolved import generation_backend
 from rlfleet.config.schema import MasterConfig
 
 
@@ -64,6 +65,7 @@ def resource_layout(cfg: MasterConfig) -> ResourceLayout:
     else:
         shape = _dedicated_shape(cfg)
     train_nodes, train_gpn, gen_nodes, gen_gpn = shape
+    backend = generation_backend(cfg).name
     return ResourceLayout(
         num_nodes=c.num_nodes,
         gpus_per_node=c.gpus_per_node,
@@ -73,6 +75,6 @@ def resource_layout(cfg: MasterConfig) -> ResourceLayout:
         gen_nodes=gen_nodes,
         gen_gpus_per_node=gen_gpn,
         train_tp=cfg.policy.dtensor_cfg.tensor_parallel_size,
-        gen_tp=gen.vllm_cfg.tensor_parallel_size if gen.backend == "vllm" else 1,
-        backend=gen.backend,
+        gen_tp=gen.vllm_cfg.tensor_parallel_size if backend == "vllm" else 1,
+        backend=backend,
     )

