@@ -125,3 +125,22 @@ def test_the_console_shows_rlfleet_and_the_log_file_gets_the_rest(tmp_path: Path
     for kept in ("library print", "child out", "child err", "a library warning", "engine chatter"):
         assert kept in logged, kept
     assert "rlfleet record" in logged
+
+
+def test_a_dummy_started_engine_directory_is_named_by_the_model(tmp_path: Path) -> None:
+    """vLLM keys its compilation cache by the model path: the same model gets the same directory (config and
+    tokenizer, no weights) run after run, a different model another one."""
+    from rlfleet.generation.vllm import shared_model_dir
+    from rlfleet.models.loading import load_tokenizer
+    from rlfleet.models.tiny import TinyModelSpec, create_tiny_model
+
+    model_dir = create_tiny_model(tmp_path / "tiny", ["one two three four"] * 20, TinyModelSpec(), seed=0)
+    from transformers import AutoConfig
+
+    config, tokenizer = AutoConfig.from_pretrained(model_dir), load_tokenizer(str(model_dir))
+    first, again = shared_model_dir(config, tokenizer), shared_model_dir(config, tokenizer)
+    assert first == again
+    names = {p.name for p in Path(first).iterdir()}
+    assert "config.json" in names and not any(n.endswith(".safetensors") for n in names)
+    config.num_hidden_layers += 1
+    assert shared_model_dir(config, tokenizer) != first

@@ -216,10 +216,11 @@ def run_loop(
         if ctx.step >= ctx.total_steps:
             log.info("%s: already complete at step %d/%d; nothing to do", name, ctx.step, ctx.total_steps)
             return ctx.last_metrics
+        progress = Progress(ctx.total_steps, ctx.step, name, ctx.cfg.logger.progress_bar)
         if ctx.step == 0 and val_at_start:
             ctx.last_metrics = validate_fn()
             ctx.logger.log(0, ctx.last_metrics)
-        progress = Progress(ctx.total_steps, ctx.step, name, ctx.cfg.logger.progress_bar)
+            progress.write(format_step_line(0, ctx.total_steps, ctx.last_metrics))  # the "before" line
         metrics: dict[str, float] = {}
         while ctx.step < ctx.total_steps:
             metrics = step_fn()

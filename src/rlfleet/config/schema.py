@@ -215,7 +215,8 @@ class VllmConfig(Strict):
     load_format: Literal["auto", "dummy"] = Field(
         "auto",
         description="auto: the engine loads the policy's weights; dummy: it starts with random weights and "
-        "the refit at construction loads the real ones (no generation happens before it). In one process "
+        "the refit at construction loads the real ones (no generation happens before it), from a directory "
+        "named by the model's config, so vLLM's compilation cache is reused by later runs. In one process "
         "only: on Ray an engine always starts dummy and receives the trainer's weights (gathered, or by "
         "broadcast) before its first generation.",
     )

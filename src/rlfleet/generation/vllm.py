@@ -6,7 +6,9 @@ directory holding the policy's config and tokenizer, and its weights come from t
 safetensors files of bounded size (the float32 masters cast to the engine dtype: the buckets of
 :mod:`rlfleet.generation.weights`) and loaded by the worker extension in
 :mod:`rlfleet.generation.vllm_worker_ext`. With ``load_format="dummy"`` the engine starts with random
-weights and the constructor refits before anything can generate.
+weights and the constructor refits before anything can generate; such an engine starts from a directory
+named by the model's config and tokenizer (:func:`shared_model_dir`), so vLLM's compilation cache, keyed by
+that path, is warm the next time the same model starts.
 
 On a GPU shared with training the engine sleeps between generations (NeMo RL's order): ``sleep(level=1)``
 after generating frees the KV cache and offloads the weights for training; ``refit`` wakes the weights,
@@ -30,6 +32,7 @@ distribution).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -111,6 +114,32 @@ def _scratch_dir() -> str:
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
 
 
+def shared_model_dir(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> str:
+    """A directory with the model's config and tokenizer and no weights, named by their content, for an
+    engine that starts with dummy weights.
+
+    vLLM keys its compilation cache by the model path (among the graph's settings): a fresh temporary
+    directory per run made every engine compile again (about a minute on a CPU, see
+    ``benchmarks/vllm_cpu_setup.py``); this one is the same for the same model, so a later run of it finds
+    the compiled graph. Written once (staged, then renamed into place; a concurrent writer of the same
+    content wins or loses the rename harmlessly) and never removed: it holds a few megabytes of text.
+    """
+    staging = Path(tempfile.mkdtemp(prefix="rlfleet-vllm-staging-"))
+    try:
+        config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        digest = hashlib.sha256()
+        for path in sorted(staging.iterdir()):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        final = Path(tempfile.gettempdir()) / f"rlfleet-vllm-config-{digest.hexdigest()[:20]}"
+        if not final.is_dir():
+            with contextlib.suppress(OSError):  # lost a race to an identical directory
+                staging.rename(final)
+        return str(final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def _environment(name: str, value: str | None) -> Iterator[None]:
     """Sets ``os.environ[name]`` for the block (nothing when ``value`` is None), then restores it."""
@@ -163,9 +192,14 @@ class VLLMGenerationBackend:
         self.asleep = False
         self.has_weights = self.settings.load_format == "auto"
         self.llm: Any = None
-        self.model_dir = tempfile.mkdtemp(prefix="rlfleet-vllm-model-")
+        self.model_dir = ""  # the engine's directory: its own with the weights, else shared (see below)
+        self.owns_model_dir = self.has_weights
         try:
-            self._write_model_dir()
+            if self.owns_model_dir:
+                self.model_dir = tempfile.mkdtemp(prefix="rlfleet-vllm-model-")
+                self._write_model_dir()
+            else:
+                self.model_dir = shared_model_dir(self.config, self.tokenizer)
             self.llm = self._start_engine()
             if model is not None and not self.has_weights:
                 self.refit()  # the engine's random weights never generate
@@ -319,10 +353,11 @@ class VLLMGenerationBackend:
         return GenerationResult(token_ids=ids, logprobs=logprobs, text=text, finished=finished)
 
     def close(self) -> None:
-        """Stops the engine process and removes the model directory; safe to call twice."""
+        """Stops the engine process and removes its own model directory; safe to call twice."""
         llm, self.llm = self.llm, None
         if llm is not None:
             engine_core = getattr(llm.llm_engine, "engine_core", None)
             if engine_core is not None:
                 engine_core.shutdown()
-        shutil.rmtree(self.model_dir, ignore_errors=True)
+        if self.owns_model_dir:
+            shutil.rmtree(self.model_dir, ignore_errors=True)
