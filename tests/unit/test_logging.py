@@ -220,3 +220,9 @@ def test_step_line_shows_refit_only_when_it_took_time() -> None:
     slow = format_step_line(1, 2, {"timing/training": 1.0, "timing/refit": 0.25})
     assert "refit" not in fast
     assert slow.endswith("(train 1.0 refit 0.2)")
+
+
+def test_the_step_line_shows_the_validation_time_beside_its_accuracy() -> None:
+    line = format_step_line(10, 60, {"timing/total": 27.2, "val/accuracy": 0.28125, "timing/validation": 8.04})
+    assert line.endswith("| val_acc 0.281 (8.0s)")
+    assert format_step_line(0, 60, {"val/accuracy": 0.078125}) == "step 0/60 | val_acc 0.078"

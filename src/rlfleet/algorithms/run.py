@@ -218,7 +218,7 @@ def run_loop(
             return ctx.last_metrics
         progress = Progress(ctx.total_steps, ctx.step, name, ctx.cfg.logger.progress_bar)
         if ctx.step == 0 and val_at_start:
-            ctx.last_metrics = validate_fn()
+            ctx.last_metrics = timed_validation(validate_fn)
             ctx.logger.log(0, ctx.last_metrics)
             progress.write(format_step_line(0, ctx.total_steps, ctx.last_metrics))  # the "before" line
         metrics: dict[str, float] = {}
@@ -226,7 +226,7 @@ def run_loop(
             metrics = step_fn()
             ctx.step += 1
             if should_validate(ctx.step, ctx.total_steps, val_period, val_at_end):
-                metrics.update(validate_fn())
+                metrics.update(timed_validation(validate_fn))
             ctx.last_metrics = {**ctx.last_metrics, **metrics}
             if should_checkpoint(ctx):
                 start = time.perf_counter()
@@ -238,6 +238,13 @@ def run_loop(
         progress.close()
         plot_run(ctx.logger.log_dir)
         return metrics
+
+
+def timed_validation(validate_fn: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """The validation metrics plus ``timing/validation`` (seconds)."""
+    start = time.perf_counter()
+    metrics = validate_fn()
+    return {**metrics, "timing/validation": time.perf_counter() - start}
 
 
 @contextmanager

@@ -107,7 +107,8 @@ def format_step_line(step: int, total: int, metrics: Mapping[str, float]) -> str
         parts.append(f"mfu {100 * mfu:.1f}%")
     val_acc = _get(metrics, "val/accuracy")
     if val_acc is not None:
-        parts.append(f"val_acc {val_acc:.3f}")
+        val_s = _get(metrics, "timing/validation")
+        parts.append(f"val_acc {val_acc:.3f}" + (f" ({val_s:.1f}s)" if val_s is not None else ""))
     return " | ".join(parts)
 
 
