@@ -64,9 +64,9 @@ class _EosIgnoringTokenizer:
         return getattr(self._tokenizer, name)
 
 
-def matmul_peak_flops(size: int = 1024, repeats: int = 10) -> float:
-    """Float32 FLOP/s of a ``size``^3 matmul on this process's threads (best of ``repeats``)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_peak_flops(size: int = 1024, repeats: int = 10, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of a ``size``^3 matmul in ``dtype`` on this process's threads (best of ``repeats``)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     for _ in range(3):
         a @ b
     best = float("inf")

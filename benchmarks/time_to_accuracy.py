@@ -41,12 +41,11 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.versus_trl import prepare_model
+from benchmarks.versus_trl import prepare_model, trl_trainer
 
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.algorithms.run import closing_run
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
-from rlfleet.rewards.math import math_reward
 
 RECIPE = "grpo-smollm2-135m-arithmetic-cpu"
 log = logging.getLogger("time_to_accuracy")
@@ -157,23 +156,13 @@ def run_rlfleet(case: Case, work: Path) -> Snapshots:
 
 def run_trl(case: Case, work: Path, use_vllm: bool) -> Snapshots:
     """TRL's ``GRPOTrainer`` on the same prompts (rendered by rlfleet), model, reward and budget."""
-    from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     from rlfleet.algorithms.builders import load_prompts
     from rlfleet.models.loading import load_tokenizer
 
     cfg = recipe(case, work / "trl-cfg")
-    tokenizer = load_tokenizer(str(case.model_dir))
-    prompts = load_prompts(cfg, tokenizer, case.val_prompts).train
-    dataset = Dataset.from_list([{"prompt": p.text, "gold": p.example.answer} for p in prompts])
-
-    def math_reward_for_trl(
-        prompts: list[str], completions: list[str], gold: list[str], **_: object
-    ) -> list[float]:
-        return [math_reward(p, c, g) for p, c, g in zip(prompts, completions, gold, strict=True)]
-
+    prompts = load_prompts(cfg, load_tokenizer(str(case.model_dir)), case.val_prompts).train
     snaps = Snapshots("trl", work, case.marks_s)
 
     class Clock(TrainerCallback):
@@ -192,42 +181,21 @@ def run_trl(case: Case, work: Path, use_vllm: bool) -> Snapshots:
             if self.clock >= case.budget_s:
                 control.should_training_stop = True
 
-    rows = case.prompts * case.samples
-    args = GRPOConfig(
-        output_dir=str(work / "trl"),
-        use_cpu=True,
-        bf16=not case.quick,  # TRL's fastest CPU setting where bf16 is native (float32 for the tiny check)
-        gradient_checkpointing=False,  # TRL's default recomputes activations: slower
-        per_device_train_batch_size=rows,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_iterations=1,
-        num_generations=case.samples,
-        max_completion_length=case.max_new_tokens,
-        temperature=1.0,
-        top_p=1.0,
+    trainer = trl_trainer(
+        case.model_dir,
+        prompts,
+        work / "trl",
+        rows=case.prompts * case.samples,
+        samples=case.samples,
+        max_new_tokens=case.max_new_tokens,
         beta=0.0,
-        learning_rate=case.lr,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=1.0,
+        lr=case.lr,
         max_steps=100000,
         seed=case.seed,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        dataloader_num_workers=0,
+        bf16=not case.quick,  # TRL's fastest CPU setting where bf16 is native (float32 for the tiny check)
+        callbacks=[Clock()],
         use_vllm=use_vllm,
         vllm_mode="colocate",
-        model_init_kwargs={"dtype": torch.float32},
-    )
-    trainer = GRPOTrainer(
-        model=str(case.model_dir),
-        reward_funcs=math_reward_for_trl,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[Clock()],
     )
     trainer.train()
     return snaps

@@ -36,13 +36,19 @@ import argparse
 import json
 import logging
 import statistics
+import sys
 import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: benchmarks/ importable
+
+from benchmarks.generation_backends import matmul_peak_flops
 
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
@@ -192,11 +198,77 @@ def run_rlfleet(
 # ---------------------------------------------------------------------------------------------------- TRL
 
 
+def math_reward_for_trl(
+    prompts: list[str], completions: list[str], gold: list[str], **_: object
+) -> list[float]:
+    """rlfleet's ``math_reward`` as a TRL reward function (the dataset's ``gold`` column)."""
+    return [math_reward(p, c, g) for p, c, g in zip(prompts, completions, gold, strict=True)]
+
+
+def trl_trainer(
+    model_dir: Path,
+    prompts: list[Any],
+    run_dir: Path,
+    *,
+    rows: int,
+    samples: int,
+    max_new_tokens: int,
+    beta: float,
+    lr: float,
+    max_steps: int,
+    seed: int,
+    bf16: bool,
+    callbacks: list[Any],
+    **extra: Any,
+) -> Any:
+    """TRL's ``GRPOTrainer`` on rlfleet's rendered ``prompts`` (text and gold), rlfleet's math reward, one
+    optimizer step of ``rows`` rows per generation batch, constant lr, no gradient checkpointing (TRL's
+    default recomputes activations; rlfleet's recipes do not), float32 master weights (``bf16``: TRL's
+    autocast). ``extra``: more ``GRPOConfig`` fields."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    dataset = Dataset.from_list([{"prompt": p.text, "gold": p.example.answer} for p in prompts])
+    args = GRPOConfig(
+        output_dir=str(run_dir),
+        use_cpu=True,
+        bf16=bf16,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=rows,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        num_generations=samples,
+        max_completion_length=max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        beta=beta,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_steps=max_steps,
+        seed=seed,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        dataloader_num_workers=0,
+        model_init_kwargs={"dtype": torch.float32},
+        **extra,
+    )
+    return GRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=math_reward_for_trl,
+        args=args,
+        train_dataset=dataset,
+        processing_class=load_tokenizer(str(model_dir)),
+        callbacks=callbacks,
+    )
+
+
 def run_trl(case: Case, cfg: MasterConfig, run_dir: Path, *, bf16: bool) -> StepTimes:
     """TRL's ``GRPOTrainer`` on the same prompts (rendered by rlfleet), model, reward and settings."""
-    from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
     from trl.extras import profiling
 
     tokenizer = load_tokenizer(str(case.model_dir))
@@ -204,12 +276,6 @@ def run_trl(case: Case, cfg: MasterConfig, run_dir: Path, *, bf16: bool) -> Step
     prompts, _ = build_prompts(
         tokenizer, train, system_prompt=resolve_system_prompt(cfg.data), max_prompt_tokens=None
     )
-    dataset = Dataset.from_list([{"prompt": p.text, "gold": p.example.answer} for p in prompts])
-
-    def math_reward_for_trl(
-        prompts: list[str], completions: list[str], gold: list[str], **_: object
-    ) -> list[float]:
-        return [math_reward(p, c, g) for p, c, g in zip(prompts, completions, gold, strict=True)]
 
     profiled: dict[str, float] = defaultdict(float)
 
@@ -241,38 +307,18 @@ def run_trl(case: Case, cfg: MasterConfig, run_dir: Path, *, bf16: bool) -> Step
             )
 
     rows = case.prompts * case.samples
-    args = GRPOConfig(
-        output_dir=str(run_dir),
-        use_cpu=True,
-        bf16=bf16,
-        gradient_checkpointing=False,  # TRL's default recomputes activations; rlfleet's recipe does not
-        per_device_train_batch_size=rows,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_iterations=1,
-        num_generations=case.samples,
-        max_completion_length=case.max_new_tokens,
-        temperature=1.0,
-        top_p=1.0,
+    trainer = trl_trainer(
+        case.model_dir,
+        prompts,
+        run_dir,
+        rows=rows,
+        samples=case.samples,
+        max_new_tokens=case.max_new_tokens,
         beta=case.kl,
-        learning_rate=case.lr,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=1.0,
+        lr=case.lr,
         max_steps=case.steps,
         seed=case.seed,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        dataloader_num_workers=0,
-        model_init_kwargs={"dtype": torch.float32},
-    )
-    trainer = GRPOTrainer(
-        model=str(case.model_dir),
-        reward_funcs=math_reward_for_trl,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
+        bf16=bf16,
         callbacks=[Timer()],
     )
     trainer.train()
@@ -297,19 +343,6 @@ def flop_floor(times: StepTimes, params: int, passes: int, peaks: dict[str, floa
     tokens = times.mean(times.tokens)
     flops = 2 * params * tokens + 2 * params * tokens * passes + 6 * params * tokens
     return flops / peaks[times.dtype]
-
-
-def matmul_peak(dtype: torch.dtype, size: int = 1024, repeats: int = 10) -> float:
-    """FLOP/s of a ``size``^3 matmul in ``dtype`` on this process's threads (best of ``repeats``)."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
 
 
 def table(results: list[StepTimes], floors: dict[str, float]) -> str:
@@ -407,7 +440,7 @@ def main() -> None:
         results.append(run_trl(case, cfg, work / "trl-bf16", bf16=True))
     model = "tiny model" if args.quick else "SmolLM2-135M-Instruct"
     params = sum(p.numel() for p in load_model(str(case.model_dir), "float32").parameters())
-    peaks = {"float32": matmul_peak(torch.float32), "bfloat16": matmul_peak(torch.bfloat16)}
+    peaks = {"float32": matmul_peak_flops(), "bfloat16": matmul_peak_flops(dtype=torch.bfloat16)}
     passes = int(case.kl > 0)  # the reference pass; prev comes from the training forward in every row
     floors = {r.name: flop_floor(r, params, passes, peaks) for r in results}
     print(
