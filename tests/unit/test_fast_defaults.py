@@ -144,3 +144,15 @@ def test_a_dummy_started_engine_directory_is_named_by_the_model(tmp_path: Path) 
     assert "config.json" in names and not any(n.endswith(".safetensors") for n in names)
     config.num_hidden_layers += 1
     assert shared_model_dir(config, tokenizer) != first
+
+
+def test_plan_says_how_the_passes_batch_and_that_flat_rows_are_skipped() -> None:
+    packed = dict(describe_algorithm(recipe()))["micro-batches"]
+    assert packed.startswith("packed sequences, up to 1,536 tokens per training pass")
+    assert "rows with advantage 0 skipped" in packed
+    padded = dict(
+        describe_algorithm(
+            recipe("policy.sequence_packing.enabled=false", "loss_fn.reference_policy_kl_penalty=0.01")
+        )
+    )["micro-batches"]
+    assert padded == "padded micro-batches of 4 rows (training), 8 (logprobs)"

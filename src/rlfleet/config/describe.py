@@ -4,6 +4,7 @@ before anything runs."""
 
 from __future__ import annotations
 
+from rlfleet.config.batching import micro_batch_tokens
 from rlfleet.config.resolved import generation_backend, policy_precision, truncation_type
 from rlfleet.config.schema import MasterConfig
 
@@ -109,6 +110,21 @@ def _precision(cfg: MasterConfig) -> str:
     return f"{resolved.name} compute, float32 master weights and AdamW state ({resolved.reason})"
 
 
+def _batching(cfg: MasterConfig) -> str:
+    p = cfg.policy
+    train, logprob = micro_batch_tokens(p, "train"), micro_batch_tokens(p, "logprob")
+    if p.sequence_packing.enabled:
+        how = f"packed sequences, up to {train:,} tokens per training pass and {logprob:,} per logprob pass"
+    elif p.dynamic_batching.enabled:
+        how = f"dynamic batching, up to {train:,} tokens per training pass and {logprob:,} per logprob pass"
+    else:
+        rows = f"{p.train_micro_batch_size} rows (training), {p.logprob_batch_size} (logprobs)"
+        how = f"padded micro-batches of {rows}"
+    if cfg.grpo.skip_zero_advantage_rows and cfg.loss_fn.reference_policy_kl_penalty == 0:
+        how += "; rows with advantage 0 skipped (counted in the normaliser)"
+    return how
+
+
 def _generation(cfg: MasterConfig) -> str:
     backend = generation_backend(cfg)
     name = "vLLM" if backend.name == "vllm" else "transformers' generate"
@@ -126,4 +142,5 @@ def describe_algorithm(cfg: MasterConfig) -> list[tuple[str, str]]:
         ("rollouts", _rollouts(cfg)),
         ("precision", _precision(cfg)),
         ("generation", _generation(cfg)),
+        ("micro-batches", _batching(cfg)),
     ]
