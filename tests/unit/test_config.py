@@ -217,7 +217,7 @@ def test_unknown_nested_key_names_full_key_and_suggestion(section: str, typo: st
         ),
         (
             {"policy": {"precision": "fp8"}},
-            "policy.precision: got 'fp8' (str), expected one of 'float32', 'bfloat16' or 'float16'",
+            "policy.precision: got 'fp8' (str), expected one of 'auto', 'float32', 'bfloat16' or 'float16'",
         ),
         ({"grpo": 5}, "grpo: got 5 (int), expected a mapping"),
         (
