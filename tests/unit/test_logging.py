@@ -223,6 +223,8 @@ def test_step_line_shows_refit_only_when_it_took_time() -> None:
 
 
 def test_the_step_line_shows_the_validation_time_beside_its_accuracy() -> None:
-    line = format_step_line(10, 60, {"timing/total": 27.2, "val/accuracy": 0.28125, "timing/validation": 8.04})
+    line = format_step_line(
+        10, 60, {"timing/total": 27.2, "val/accuracy": 0.28125, "timing/validation": 8.04}
+    )
     assert line.endswith("| val_acc 0.281 (8.0s)")
     assert format_step_line(0, 60, {"val/accuracy": 0.078125}) == "step 0/60 | val_acc 0.078"
