@@ -80,10 +80,9 @@ class ConsoleCapture:
         self._handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         self._handler.addFilter(lambda record: record.levelno >= logging.INFO)
         logging.getLogger("rlfleet").addHandler(self._handler)
-        print(
-            f"rlfleet: library output and warnings go to {self.path} (--verbose shows them here)",
-            file=_terminal["err"],
-            flush=True,
+        # an INFO record, not an "rlfleet:" line: those are the one-line errors a failed run ends with
+        logging.getLogger("rlfleet").info(
+            "library output and warnings go to %s (--verbose shows them here)", self.path
         )
         return self
 
