@@ -121,7 +121,7 @@ def recipe(case: Case, run_dir: Path, *extra: str) -> MasterConfig:
         "logger.tensorboard_enabled=false",
         "logger.progress_bar=false",
         *(
-            ["policy.generation.backend=hf", "policy.precision=float32", "env.math.num_workers=0"]
+            ["policy.generation.backend=hf", "policy.precision=float32", "env.math.num_workers=1"]
             if case.quick
             else []
         ),
