@@ -16,9 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.algorithms.grpo import computed_rows, inert_rows, trained_logprobs
+from rlfleet.algorithms.grpo import inert_rows, trained_logprobs
 from rlfleet.policy.batch import TrainBatch
-from rlfleet.policy.microbatch import MicroBatching, plan_micro_batches, plan_trained_micro_batches
+from rlfleet.policy.microbatch import (
+    MicroBatching,
+    computed_rows,
+    plan_micro_batches,
+    plan_trained_micro_batches,
+)
 from rlfleet.policy.worker import PolicyWorker
 from tests.conftest import pg_loss
 from tests.functional.test_packing import LAYOUTS, PADDED, make_batch, make_worker

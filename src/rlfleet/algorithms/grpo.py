@@ -53,6 +53,7 @@ from rlfleet.config import MasterConfig, check_config, ensure_runnable
 from rlfleet.config.layout import resource_layout
 from rlfleet.generation import GenerationBackend
 from rlfleet.policy.batch import TrainBatch, collate
+from rlfleet.policy.microbatch import computed_rows
 from rlfleet.utils.timing import PhaseTimer
 
 
@@ -370,18 +371,6 @@ def inert_rows(batch: TrainBatch, kl_penalty: float) -> torch.Tensor:
         raise ValueError("inert rows are decided by the advantages; set them first")
     empty = batch.response_mask.sum(dim=1) == 0
     return empty | (batch.advantages == 0) if kl_penalty == 0 else empty
-
-
-def computed_rows(batch: TrainBatch, dp_size: int) -> list[int]:
-    """The rows a logprob pass computes: those not inert, plus the first inert ones where the
-    ``dp_size`` data-parallel ranks need a count they split evenly (at least one row)."""
-    if batch.inert is None:
-        return list(range(len(batch)))
-    flags = batch.inert.tolist()
-    rows = [i for i, inert in enumerate(flags) if not inert]
-    spare = [i for i, inert in enumerate(flags) if inert]
-    missing = -len(rows) % dp_size if rows else dp_size
-    return sorted(rows + spare[:missing])
 
 
 def trained_logprobs(

@@ -304,6 +304,16 @@ def step_normalizer(counts: Sequence[float]) -> Normalizer:
     return Normalizer(tokens, rows, trained_tokens, trained_sequences)
 
 
+def computed_rows(batch: TrainBatch, dp_size: int) -> list[int]:
+    """The rows a logprob pass computes: the ``trained_rows``, plus the first others where the ``dp_size``
+    data-parallel ranks need a count they split evenly (at least one row)."""
+    flags = trained_rows(batch)
+    rows = [i for i, trained in enumerate(flags) if trained]
+    spare = [i for i, trained in enumerate(flags) if not trained]
+    missing = -len(rows) % dp_size if rows else dp_size
+    return sorted(rows + spare[:missing])
+
+
 def trained_rows(batch: TrainBatch) -> list[bool]:
     """Which rows the training pass computes: all, unless ``batch.inert`` marks rows whose loss and
     gradient are exactly zero."""
