@@ -50,10 +50,7 @@ from rlfleet.policy.loss_functions import ClippedPGLossFn
 from rlfleet.policy.microbatch import MicroBatching, padding_fraction, plan_micro_batches, row_lengths
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
 
-SETTINGS = OptimizerSettings(
-    lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, warmup_steps=0, warmup_start_factor=1.0,
-    max_grad_norm=1.0,
-)  # fmt: skip
+SETTINGS = OptimizerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, max_grad_norm=1.0)
 LOSS = ClippedPGLossFn(
     eps_low=0.2, eps_high=0.2, dual_clip_c=None, kl_penalty=0.0, kl_input_clamp=20.0, kl_output_clamp=10.0,
     token_level=True, importance_sampling_correction=False, prev_from_training_forward=True,

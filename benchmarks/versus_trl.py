@@ -219,6 +219,7 @@ def trl_trainer(
     seed: int,
     bf16: bool,
     callbacks: list[Any],
+    temperature: float = 1.0,
     **extra: Any,
 ) -> Any:
     """TRL's ``GRPOTrainer`` on rlfleet's rendered ``prompts`` (text and gold), rlfleet's math reward, one
@@ -240,7 +241,7 @@ def trl_trainer(
         num_iterations=1,
         num_generations=samples,
         max_completion_length=max_new_tokens,
-        temperature=1.0,
+        temperature=temperature,
         top_p=1.0,
         beta=beta,
         learning_rate=lr,

@@ -48,8 +48,6 @@ TEST_OPTIMIZER = OptimizerSettings(
     weight_decay=0.0,
     betas=(0.9, 0.999),
     eps=1e-8,
-    warmup_steps=0,
-    warmup_start_factor=1.0,
     max_grad_norm=1.0,
 )
 

@@ -42,6 +42,7 @@ from rlfleet.models.lora import LoraSettings
 from rlfleet.policy.interface import Policy
 from rlfleet.policy.loss_functions import ClippedPGLossFn
 from rlfleet.policy.microbatch import MicroBatching
+from rlfleet.policy.schedule import LrSchedule
 from rlfleet.policy.sharded_worker import ShardingSettings
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
 from rlfleet.rewards import ScoringPool, VerifierPool
@@ -63,15 +64,20 @@ def optimizer_settings(cfg: MasterConfig) -> OptimizerSettings:
         raise ValueError(
             f"policy.optimizer.name={policy.optimizer.name!r} is not supported; use torch.optim.AdamW"
         )
-    adamw = policy.optimizer.kwargs
+    adamw, sched = policy.optimizer.kwargs, policy.scheduler
     return OptimizerSettings(
         lr=adamw.lr,
         weight_decay=adamw.weight_decay,
         betas=adamw.betas,
         eps=adamw.eps,
-        warmup_steps=policy.scheduler.warmup_steps,
-        warmup_start_factor=policy.scheduler.warmup_start_factor,
         max_grad_norm=policy.max_grad_norm,
+        schedule=LrSchedule(
+            warmup_steps=sched.warmup_steps,
+            warmup_start_factor=sched.warmup_start_factor,
+            decay=sched.decay,
+            decay_steps=sched.decay_steps,
+            min_factor=sched.min_lr_factor,
+        ),
     )
 
 

@@ -184,10 +184,28 @@ class OptimizerConfig(Strict):
 
 
 class SchedulerConfig(Strict):
-    """Linear warm-up from ``warmup_start_factor`` x lr to lr over ``warmup_steps`` optimizer steps."""
+    """Linear warm-up from ``warmup_start_factor`` x lr to lr over ``warmup_steps`` optimizer steps, then
+    ``decay`` over ``decay_steps`` optimizer steps down to ``min_lr_factor`` x lr, kept from there on."""
 
     warmup_steps: int = Field(50, ge=0)
     warmup_start_factor: float = Field(0.1, gt=0.0, le=1.0)
+    decay: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="After warm-up: constant lr, or a linear or cosine decay."
+    )
+    decay_steps: int | None = Field(
+        None, ge=1, description="Optimizer steps the decay lasts (required with a decay)."
+    )
+    min_lr_factor: float = Field(0.0, ge=0.0, le=1.0, description="The lr at the end of the decay, x lr.")
+
+    @model_validator(mode="after")
+    def _decay_has_a_length(self) -> SchedulerConfig:
+        if self.decay != "constant" and self.decay_steps is None:
+            raise ValueError(
+                f"policy.scheduler.decay={self.decay} needs policy.scheduler.decay_steps (optimizer steps; "
+                "a GRPO step takes num_prompts_per_step x num_generations_per_prompt / "
+                "train_global_batch_size of them)"
+            )
+        return self
 
 
 class ResourcesConfig(Strict):

@@ -10,7 +10,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ from rlfleet.policy.microbatch import (
     step_normalizer,
     trained_rows,
 )
+from rlfleet.policy.schedule import LrSchedule, lr_factor
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,8 @@ class OptimizerSettings:
     weight_decay: float
     betas: tuple[float, float]
     eps: float
-    warmup_steps: int
-    warmup_start_factor: float
     max_grad_norm: float | None
+    schedule: LrSchedule = field(default_factory=LrSchedule)  # constant lr
 
 
 def over_global_batches(
@@ -66,13 +66,6 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def warmup_factor(step: int, warmup_steps: int, start_factor: float) -> float:
-    """Linear warm-up multiplier: ``start_factor`` at step 0 rising to 1.0 at ``warmup_steps``."""
-    if warmup_steps <= 0 or step >= warmup_steps:
-        return 1.0
-    return start_factor + (1.0 - start_factor) * step / warmup_steps
-
-
 class TrainablePolicy(ABC):
     """What the in-process and the sharded policy workers share: optimizer, update, checkpoints.
 
@@ -88,7 +81,7 @@ class TrainablePolicy(ABC):
     autocast_dtype: torch.dtype | None  # forward passes run under torch.autocast in it (None: no autocast)
 
     def _init_models(self, models: PolicyModels) -> None:
-        """Takes the built models, then creates AdamW (float32 state) with a linear warm-up over the
+        """Takes the built models, then creates AdamW (float32 state) with the lr schedule over the
         trainable parameters (all of them, or only the LoRA adapters)."""
         require_master_dtype(models.model)
         self.model = models.model
@@ -99,7 +92,7 @@ class TrainablePolicy(ABC):
             self.trainable_parameters(), lr=s.lr, weight_decay=s.weight_decay, betas=s.betas, eps=s.eps
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: warmup_factor(step, s.warmup_steps, s.warmup_start_factor)
+            self.optimizer, lambda step: lr_factor(step, s.schedule)
         )
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
