@@ -97,3 +97,22 @@ def test_a_decay_needs_its_length() -> None:
     with pytest.raises(ValueError, match="decay_steps"):
         LrSchedule(decay="linear")
     assert SchedulerConfig(decay="cosine", decay_steps=30).decay_steps == 30
+
+
+def test_recipe_keys_reach_the_worker_schedule() -> None:
+    from rlfleet.algorithms.builders import optimizer_settings
+    from rlfleet.config.loader import load_recipe, resolve_recipe_path
+
+    cfg = load_recipe(
+        resolve_recipe_path("grpo-smollm2-135m-arithmetic-cpu"),
+        [
+            "policy.scheduler.warmup_steps=3",
+            "policy.scheduler.warmup_start_factor=0.2",
+            "policy.scheduler.decay=cosine",
+            "policy.scheduler.decay_steps=27",
+            "policy.scheduler.min_lr_factor=0.1",
+        ],
+    )
+    assert optimizer_settings(cfg).schedule == LrSchedule(
+        warmup_steps=3, warmup_start_factor=0.2, decay="cosine", decay_steps=27, min_factor=0.1
+    )
