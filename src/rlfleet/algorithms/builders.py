@@ -271,11 +271,16 @@ def micro_batching(cfg: MasterConfig, pass_: Pass) -> MicroBatching:
     ``logprob_batch_size``)."""
     policy = cfg.policy
     rows, tokens = micro_batch_rows(policy, pass_), micro_batch_tokens(policy, pass_)
+    chunk = policy.logprob_chunk_size
     if tokens is None:
-        return MicroBatching(rows)
+        return MicroBatching(rows, logprob_chunk=chunk)
     if policy.sequence_packing.enabled:
-        return MicroBatching(rows, tokens, pack=True, algorithm=policy.sequence_packing.algorithm)
-    return MicroBatching(rows, tokens, round_to=policy.dynamic_batching.sequence_length_round)
+        return MicroBatching(
+            rows, tokens, pack=True, algorithm=policy.sequence_packing.algorithm, logprob_chunk=chunk
+        )
+    return MicroBatching(
+        rows, tokens, round_to=policy.dynamic_batching.sequence_length_round, logprob_chunk=chunk
+    )
 
 
 def flop_meter(cfg: MasterConfig, policy: Policy, layout: ResourceLayout | None = None) -> FlopMeter | None:

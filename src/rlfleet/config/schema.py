@@ -382,6 +382,13 @@ class PolicyConfig(Strict):
     train_global_batch_size: int = Field(64, ge=1, description="Sequences per optimizer step.")
     train_micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass.")
     logprob_batch_size: int = Field(16, ge=1, description="Sequences per logprob forward pass.")
+    logprob_chunk_size: int | None = Field(
+        None,
+        ge=1,
+        description="Compute token logprobs from the final hidden states this many tokens at a time (the "
+        "backward recomputes each chunk's logits): no [tokens x vocabulary] logits in the logprob and "
+        "training passes, so their memory grows with the chunk, not the micro-batch. null: whole logits.",
+    )
     max_total_sequence_length: int = Field(512, ge=8)
     precision: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",

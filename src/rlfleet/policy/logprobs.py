@@ -1,8 +1,20 @@
-"""Token logprobs of a causal LM over a right-padded batch, in any micro-batch layout."""
+"""Token logprobs of a causal LM over a right-padded batch, in any micro-batch layout.
+
+With ``MicroBatching.logprob_chunk`` (``policy.logprob_chunk_size``) the logprobs come from the final
+hidden states a chunk of tokens at a time: the model's output layer runs inside its forward on one chunk,
+the chosen token's logprob is kept and the chunk's logits dropped; the backward recomputes them chunk by
+chunk. No ``[tokens x vocabulary]`` tensor exists, so the memory of that step grows with the chunk, not with
+the micro-batch (NeMo RL's fused linear logprobs).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from rlfleet.models.lora import WithoutAdapters
@@ -40,12 +52,109 @@ def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperat
     return torch.nn.functional.pad(picked, (1, 0), value=0.0)
 
 
+def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):  # type: ignore[no-untyped-def]
+    """``[c]`` logprobs of ``targets`` from ``[c, H]`` hidden states: the same operations as
+    ``logprobs_from_logits`` on one chunk's logits."""
+    logits = head(hidden)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def chunked_logprobs(
+    head: torch.nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, temperature: float, chunk: int
+) -> torch.Tensor:
+    """``[B, T]`` token logprobs (``out[:, 0] = 0``) from ``[B, T, H]`` final hidden states, ``chunk`` tokens
+    at a time through the output layer ``head``.
+
+    With autograd on, each chunk is checkpointed: the forward keeps only the chunk's hidden states and its
+    ``[c]`` logprobs, and the backward recomputes that chunk's logits alone. Values and gradients are those
+    of the whole computation (the operations are row-wise).
+    """
+    batch, width, size = hidden.shape
+    flat = hidden[:, :-1].reshape(-1, size)  # [N, H]: position t predicts token t + 1
+    targets = input_ids[:, 1:].reshape(-1)
+    pieces = []
+    for start in range(0, len(flat), chunk):
+        args = (head, flat[start : start + chunk], targets[start : start + chunk], temperature)
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(*args))
+    picked = torch.cat(pieces).view(batch, width - 1) if pieces else flat.new_zeros(batch, 0).float()
+    return torch.nn.functional.pad(picked, (1, 0), value=0.0)
+
+
+class _LogprobHead(torch.nn.Module):
+    """Stands in for a model's output layer during one forward: returns ``chunked_logprobs`` of the tokens
+    it was given instead of logits (``result`` keeps what it returned)."""
+
+    def __init__(
+        self, head: torch.nn.Module, input_ids: torch.Tensor, temperature: float, chunk: int
+    ) -> None:
+        super().__init__()
+        self.head = head
+        self.input_ids, self.temperature, self.chunk = input_ids, temperature, chunk
+        self.result: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[:2] != self.input_ids.shape:
+            raise ValueError(
+                f"chunked logprobs need the output layer applied to every position ({tuple(hidden.shape)} "
+                f"hidden states for {tuple(self.input_ids.shape)} tokens); "
+                "fix: policy.logprob_chunk_size=null"
+            )
+        self.result = chunked_logprobs(self.head, hidden, self.input_ids, self.temperature, self.chunk)
+        return self.result
+
+
+@contextmanager
+def _output_layer_replaced(model: ScoringModel, stand_in: _LogprobHead) -> Iterator[None]:
+    inner = model.model if isinstance(model, WithoutAdapters) else model
+    name = next(n for n, m in inner.named_children() if m is stand_in.head)
+    setattr(inner, name, stand_in)
+    try:
+        yield
+    finally:
+        setattr(inner, name, stand_in.head)
+
+
+def model_logprobs(
+    model: ScoringModel, input_ids: torch.Tensor, temperature: float, chunk: int | None, **inputs: Any
+) -> torch.Tensor:
+    """``[B, T]`` logprobs of ``input_ids`` under ``model`` called with ``inputs`` (attention mask or
+    position ids): from its logits, or, with ``chunk``, from its final hidden states ``chunk`` tokens at a
+    time (the output layer is swapped for the chunked computation during this forward only).
+
+    Raises:
+        ValueError: With ``chunk``, the model changes its output layer's result (logit soft-capping or
+            scaling, as Gemma 2 or Granite do): chunking would skip that, so it is refused.
+    """
+    if chunk is None:
+        logits = model(input_ids=input_ids, use_cache=False, **inputs).logits  # [B, T, V]
+        return logprobs_from_logits(logits, input_ids, temperature)
+    inner = model.model if isinstance(model, WithoutAdapters) else model
+    stand_in = _LogprobHead(inner.get_output_embeddings(), input_ids, temperature, chunk)
+    with _output_layer_replaced(model, stand_in):
+        out = model(input_ids=input_ids, use_cache=False, **inputs).logits
+    if out is not stand_in.result:
+        raise ValueError(
+            f"{type(inner).__name__} transforms its output layer's logits (soft-capping or scaling), which "
+            "chunked logprobs would skip; fix: policy.logprob_chunk_size=null"
+        )
+    return out
+
+
 def token_logprobs(
-    model: ScoringModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+    model: ScoringModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """``[B, T]`` with ``out[:, t] = log p(x_t | x_<t)`` at ``temperature``; ``out[:, 0] = 0``."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, V]
-    return logprobs_from_logits(logits, input_ids, temperature)
+    return model_logprobs(model, input_ids, temperature, chunk, attention_mask=attention_mask)
 
 
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -63,7 +172,11 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[to
 
 
 def packed_token_logprobs(
-    model: ScoringModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+    model: ScoringModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """``token_logprobs`` of right-padded rows computed on one packed row, scattered back to ``[n, T]``.
 
@@ -81,8 +194,8 @@ def packed_token_logprobs(
             "policy.sequence_packing.enabled=false (policy.dynamic_batching.enabled=true pads instead)"
         )
     packed, positions, rows, cols = pack_rows(input_ids, attention_mask)
-    logits = model(input_ids=packed, position_ids=positions, use_cache=False).logits  # [1, L, V]
-    picked = logprobs_from_logits(logits, packed, temperature)[0].masked_fill(cols == 0, 0.0)  # [L]
+    lp = model_logprobs(model, packed, temperature, chunk, position_ids=positions)  # [1, L]
+    picked = lp[0].masked_fill(cols == 0, 0.0)  # [L]
     return picked.new_zeros(input_ids.shape).index_put((rows, cols), picked)
 
 
@@ -92,14 +205,15 @@ def forward_logprobs(
     """``[n, T]`` token logprobs of the right-padded micro-batch ``mb``, whatever its layout: packed into
     one row, padded to its width rounded up (dynamic batching), or as it is (fixed rows). Padding
     positions hold 0 in every layout."""
+    chunk = batching.logprob_chunk
     if batching.pack:
-        return packed_token_logprobs(model, mb.input_ids, mb.attention_mask, temperature)
+        return packed_token_logprobs(model, mb.input_ids, mb.attention_mask, temperature, chunk)
     width = mb.input_ids.shape[1]
     target = round_up(width, batching.round_to) if batching.tokens is not None else width
     pad = (0, target - width)
     ids = torch.nn.functional.pad(mb.input_ids, pad, value=0)
     mask = torch.nn.functional.pad(mb.attention_mask, pad, value=0)
-    lp = token_logprobs(model, ids, mask, temperature)[:, :width]
+    lp = token_logprobs(model, ids, mask, temperature, chunk)[:, :width]
     return lp.masked_fill(mb.attention_mask == 0, 0.0)
 
 

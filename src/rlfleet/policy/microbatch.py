@@ -44,6 +44,8 @@ class MicroBatching:
         pack: Concatenate the rows of a micro-batch into one packed row (needs ``tokens``).
         round_to: Dynamic batching pads each micro-batch to its longest row rounded up to a multiple of this.
         algorithm: How rows are bin-packed when ``pack``.
+        logprob_chunk: Tokens per chunk of the logprob computation from the final hidden states (no
+            ``[tokens x vocabulary]`` logits; ``policy.logprob_chunk_size``), or None for whole logits.
     """
 
     rows: int
@@ -51,9 +53,11 @@ class MicroBatching:
     pack: bool = False
     round_to: int = 1
     algorithm: PackingAlgorithm = "first_fit_decreasing"
+    logprob_chunk: int | None = None
 
     def __post_init__(self) -> None:
-        if self.rows < 1 or self.round_to < 1 or (self.tokens is not None and self.tokens < 1):
+        optional = (self.tokens, self.logprob_chunk)
+        if self.rows < 1 or self.round_to < 1 or any(n is not None and n < 1 for n in optional):
             raise ValueError(f"micro-batching needs positive sizes, got {self}")
         if self.pack and self.tokens is None:
             raise ValueError("sequence packing needs a token budget (MicroBatching.tokens)")
