@@ -37,29 +37,26 @@ PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", packed_attention.NAME)
 ScoringModel = PreTrainedModel | WithoutAdapters
 
 
-def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``[B, T]`` with ``out[:, t] = log p(x_t | x_<t)`` from ``[B, T, V]`` logits; ``out[:, 0] = 0``.
-
-    Computed as ``logit[token] - logsumexp(logits)`` in float32 (float64 logits stay float64), without
-    materialising the full log-softmax over the vocabulary.
-    """
-    logits = logits[:, :-1]
-    logits = logits if logits.dtype == torch.float64 else logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
-    picked = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [B, T-1]
-    return torch.nn.functional.pad(picked, (1, 0), value=0.0)
-
-
-def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):  # type: ignore[no-untyped-def]
-    """``[c]`` logprobs of ``targets`` from ``[c, H]`` hidden states: the same operations as
-    ``logprobs_from_logits`` on one chunk's logits."""
-    logits = head(hidden)
+def picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log softmax(logits / temperature)[target]`` over the last dim, as ``logit[target] - logsumexp``
+    in float32 (float64 logits stay float64), without the full log-softmax over the vocabulary."""
     logits = logits if logits.dtype == torch.float64 else logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[B, T]`` with ``out[:, t] = log p(x_t | x_<t)`` from ``[B, T, V]`` logits; ``out[:, 0] = 0``."""
+    picked = picked_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)  # [B, T-1]
+    return torch.nn.functional.pad(picked, (1, 0), value=0.0)
+
+
+def _chunk_logprobs(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """``[c]`` logprobs of ``targets`` from ``[c, H]`` hidden states through the output layer ``head``."""
+    return picked_logprobs(head(hidden), targets, temperature)
 
 
 def chunked_logprobs(
@@ -138,12 +135,13 @@ def model_logprobs(
     stand_in = _LogprobHead(inner.get_output_embeddings(), input_ids, temperature, chunk)
     with _output_layer_replaced(model, stand_in):
         out = model(input_ids=input_ids, use_cache=False, **inputs).logits
-    if out is not stand_in.result:
+    result = stand_in.result
+    if result is None or out is not result:
         raise ValueError(
             f"{type(inner).__name__} transforms its output layer's logits (soft-capping or scaling), which "
             "chunked logprobs would skip; fix: policy.logprob_chunk_size=null"
         )
-    return out
+    return result
 
 
 def token_logprobs(
