@@ -33,10 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +93,24 @@ class Snapshots:
         save_file(_untied(state), str(path))
         for mark in due:
             self.saved[mark], self.steps[mark] = path, step
+
+    def dump(self, path: Path) -> None:
+        saved = {str(m): str(p) for m, p in self.saved.items()}
+        path.write_text(json.dumps({"saved": saved, "steps": {str(m): s for m, s in self.steps.items()}}))
+
+    def load(self, path: Path) -> Snapshots:
+        data = json.loads(path.read_text())
+        self.saved = {float(m): Path(p) for m, p in data["saved"].items()}
+        self.steps = {float(m): int(s) for m, s in data["steps"].items()}
+        return self
+
+
+def run_side(name: str, case: Case, work: Path, argv: Sequence[str] | None) -> Snapshots:
+    """Trains one side in a child process of its own, so that neither side runs in memory the other left
+    fragmented (in one process, TRL's start after rlfleet's 20 minutes was OOM-killed at 24 GB)."""
+    args = [*(sys.argv[1:] if argv is None else argv), "--side", name, "--work", str(work)]
+    subprocess.run([sys.executable, str(Path(__file__).resolve()), *args], check=True)
+    return Snapshots(name, work, case.marks_s).load(work / f"{name}.json")
 
 
 def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -294,16 +313,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--skip-rlfleet", action="store_true")
     parser.add_argument("--out", default=None, help="where the plot and the JSON go (default: a temp dir)")
     parser.add_argument("--quick", action="store_true", help="tiny model, a few seconds per side")
+    parser.add_argument("--side", choices=["rlfleet", "trl"], help=argparse.SUPPRESS)  # a child's side
+    parser.add_argument("--work", help=argparse.SUPPRESS)  # the parent's work dir (children)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.quick:
         args.budget_min, args.marks, args.prompts, args.samples = 0.1, "0,0.05,0.1", 2, 2
         args.max_new_tokens, args.val_prompts = 8, 4
-    work = Path(tempfile.mkdtemp(prefix="rlfleet-tta-"))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="rlfleet-tta-"))
     out = Path(args.out) if args.out else work
     out.mkdir(parents=True, exist_ok=True)
     case = Case(
-        model_dir=prepare_model(work / "model", args.quick),
+        model_dir=work / "model" if args.side else prepare_model(work / "model", args.quick),
         prompts=args.prompts,
         samples=args.samples,
         max_new_tokens=args.max_new_tokens,
@@ -314,12 +335,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         val_prompts=args.val_prompts,
         quick=args.quick,
     )
-    runs: list[Callable[[], Snapshots]] = []
-    if not args.skip_rlfleet:
-        runs.append(lambda: run_rlfleet(case, work))
-    if not args.skip_trl:
-        runs.append(lambda: run_trl(case, work, args.trl_vllm))
-    sides = [run() for run in runs]
+    if args.side is not None:  # one side, in this (child) process: its snapshots go to the work dir
+        side = run_rlfleet(case, work) if args.side == "rlfleet" else run_trl(case, work, args.trl_vllm)
+        side.dump(work / f"{args.side}.json")
+        return
+    names = [n for n, skip in (("rlfleet", args.skip_rlfleet), ("trl", args.skip_trl)) if not skip]
+    sides = [run_side(name, case, work, argv) for name in names]
     scores = score(case, work, sides)
     table = report(case, sides, scores)
     print(

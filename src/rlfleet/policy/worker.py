@@ -35,6 +35,7 @@ from rlfleet.policy.microbatch import (
     trained_rows,
 )
 from rlfleet.policy.schedule import LrSchedule, lr_factor
+from rlfleet.utils.memory import release_free_memory
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ class TrainablePolicy(ABC):
         metrics = over_global_batches(
             batch, global_batch_size, lambda gb: self._optimizer_step(gb, loss_fn, batching, temperature)
         )
+        release_free_memory()  # the pass's activations, freed, back to the OS (rlfleet.utils.memory)
         return {**metrics, **padding_metrics(batch, global_batch_size, batching, self.dp_size)}
 
     @abstractmethod
