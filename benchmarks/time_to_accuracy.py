@@ -66,6 +66,7 @@ class Case:
     max_new_tokens: int
     lr: float
     temperature: float
+    trl_micro_batch: int | None
     budget_s: float
     marks_s: tuple[float, ...]
     val_prompts: int
@@ -82,6 +83,7 @@ class Snapshots:
     marks_s: tuple[float, ...]
     saved: dict[float, Path] = field(default_factory=dict)
     steps: dict[float, int] = field(default_factory=dict)
+    died: str | None = None  # why the side's process ended early (its snapshots until then are kept)
 
     def record(self, clock_s: float, step: int, model: torch.nn.Module) -> None:
         """Saves ``model`` for every mark the clock has passed and that has no snapshot yet."""
@@ -93,6 +95,7 @@ class Snapshots:
         save_file(_untied(state), str(path))
         for mark in due:
             self.saved[mark], self.steps[mark] = path, step
+        self.dump(self.directory / f"{self.name}.json")  # a side killed later keeps what it reached
 
     def dump(self, path: Path) -> None:
         saved = {str(m): str(p) for m, p in self.saved.items()}
@@ -107,10 +110,21 @@ class Snapshots:
 
 def run_side(name: str, case: Case, work: Path, argv: Sequence[str] | None) -> Snapshots:
     """Trains one side in a child process of its own, so that neither side runs in memory the other left
-    fragmented (in one process, TRL's start after rlfleet's 20 minutes was OOM-killed at 24 GB)."""
+    behind. A side already recorded in ``work`` (``--work`` of an earlier run) is reused, not rerun. A side
+    whose process dies (the kernel's OOM killer) keeps the snapshots it reached."""
+    record = work / f"{name}.json"
+    if record.exists():
+        log.info("%s: reusing the snapshots recorded in %s", name, record)
+        return Snapshots(name, work, case.marks_s).load(record)
     args = [*(sys.argv[1:] if argv is None else argv), "--side", name, "--work", str(work)]
-    subprocess.run([sys.executable, str(Path(__file__).resolve()), *args], check=True)
-    return Snapshots(name, work, case.marks_s).load(work / f"{name}.json")
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args], check=False)
+    side = Snapshots(name, work, case.marks_s)
+    if record.exists():
+        side.load(record)
+    if done.returncode != 0:
+        side.died = f"its process ended with {done.returncode} (-9: killed, e.g. by the kernel's OOM killer)"
+        log.warning("%s: %s", name, side.died)
+    return side
 
 
 def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -220,6 +234,7 @@ def run_trl(case: Case, work: Path, use_vllm: bool) -> Snapshots:
         seed=case.seed,
         bf16=not case.quick,  # TRL's fastest CPU setting where bf16 is native (float32 for the tiny check)
         callbacks=[Clock()],
+        micro_batch=case.trl_micro_batch,
         use_vllm=use_vllm,
         vllm_mode="colocate",
     )
@@ -263,6 +278,7 @@ def report(case: Case, sides: Sequence[Snapshots], scores: dict[str, dict[float,
             acc = scores[side.name].get(mark)
             cells += [f"{100 * acc:.1f}%" if acc is not None else "", str(side.steps.get(mark, ""))]
         lines.append(f"| {mark / 60:.1f} | " + " | ".join(cells) + " |")
+    lines += [f"\n{side.name} stopped early: {side.died}" for side in sides if side.died]
     if "trl" in scores and "rlfleet" in scores and scores["trl"]:
         final_mark = max(scores["trl"])
         target = scores["trl"][final_mark]
@@ -311,6 +327,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--trl-vllm", action="store_true", help="TRL with its colocated vLLM mode")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-rlfleet", action="store_true")
+    parser.add_argument(
+        "--trl-micro-batch",
+        type=int,
+        default=16,
+        help="rows per TRL forward/backward, accumulated to one optimizer step (0: all rows at once; "
+        "measured: 64 rows at once were OOM-killed at 23.5 GB on a 24 GB machine)",
+    )
     parser.add_argument("--out", default=None, help="where the plot and the JSON go (default: a temp dir)")
     parser.add_argument("--quick", action="store_true", help="tiny model, a few seconds per side")
     parser.add_argument("--side", choices=["rlfleet", "trl"], help=argparse.SUPPRESS)  # a child's side
@@ -319,17 +342,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.quick:
         args.budget_min, args.marks, args.prompts, args.samples = 0.1, "0,0.05,0.1", 2, 2
-        args.max_new_tokens, args.val_prompts = 8, 4
+        args.max_new_tokens, args.val_prompts, args.trl_micro_batch = 8, 4, 0
+    if args.trl_micro_batch and (args.prompts * args.samples) % args.trl_micro_batch:
+        parser.error("--trl-micro-batch must divide --prompts x --samples")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="rlfleet-tta-"))
     out = Path(args.out) if args.out else work
     out.mkdir(parents=True, exist_ok=True)
     case = Case(
-        model_dir=work / "model" if args.side else prepare_model(work / "model", args.quick),
+        model_dir=work / "model"
+        if args.side or (work / "model" / "config.json").exists()
+        else prepare_model(work / "model", args.quick),
         prompts=args.prompts,
         samples=args.samples,
         max_new_tokens=args.max_new_tokens,
         lr=args.lr,
         temperature=args.temperature,
+        trl_micro_batch=args.trl_micro_batch if args.trl_micro_batch > 0 else None,
         budget_s=args.budget_min * 60,
         marks_s=tuple(float(m) * 60 for m in args.marks.split(",")),
         val_prompts=args.val_prompts,

@@ -220,12 +220,15 @@ def trl_trainer(
     bf16: bool,
     callbacks: list[Any],
     temperature: float = 1.0,
+    micro_batch: int | None = None,
     **extra: Any,
 ) -> Any:
     """TRL's ``GRPOTrainer`` on rlfleet's rendered ``prompts`` (text and gold), rlfleet's math reward, one
     optimizer step of ``rows`` rows per generation batch, constant lr, no gradient checkpointing (TRL's
     default recomputes activations; rlfleet's recipes do not), float32 master weights (``bf16``: TRL's
-    autocast). ``extra``: more ``GRPOConfig`` fields."""
+    autocast). ``micro_batch``: rows per forward/backward (TRL's ``per_device_train_batch_size``, with
+    gradient accumulation and one generation batch of ``rows`` per optimizer step); None: all ``rows`` in
+    one. ``extra``: more ``GRPOConfig`` fields."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -235,9 +238,9 @@ def trl_trainer(
         use_cpu=True,
         bf16=bf16,
         gradient_checkpointing=False,
-        per_device_train_batch_size=rows,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
+        per_device_train_batch_size=micro_batch or rows,
+        gradient_accumulation_steps=rows // (micro_batch or rows),
+        steps_per_generation=rows // (micro_batch or rows),
         num_iterations=1,
         num_generations=samples,
         max_completion_length=max_new_tokens,
