@@ -27,6 +27,7 @@ from rlfleet.policy.microbatch import MicroBatching
 from rlfleet.policy.worker import PolicyWorker
 from tests.conftest import TEST_OPTIMIZER, TEST_SPEC, _arithmetic_corpus, pg_loss
 from tests.functional.test_packing import LAYOUTS, PADDED, make_batch, make_worker
+from tests.functional.test_skip_inert_rows import assert_same_step, train_on_two_ray_ranks
 
 CHUNK = 5  # smaller than most rows: chunks straddle row boundaries
 
@@ -214,29 +215,10 @@ def test_tensor_parallel_ranks_with_chunks_equal_one_process(
 ) -> None:
     """Two tensor-parallel ranks (Ray, FSDP2 over a (1, 2) mesh) computing logprobs in chunks train as one
     process computing whole logits."""
-    from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
-    from rlfleet.distributed.worker_group import RayWorkerGroup
-    from rlfleet.policy.sharded_worker import ShardedPolicyWorker, ShardingSettings
-
     single = make_worker(tiny_tp_model_dir)
     batch = make_batch(single)
     loss_fn = pg_loss(kl_penalty=0.05)
     want = single.train(batch, loss_fn, global_batch_size=8, micro_batching=MicroBatching(rows=4))
-    groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
-    init = {
-        "source": ModelSource(str(tiny_tp_model_dir)),
-        "settings": TEST_OPTIMIZER,
-        "sharding": ShardingSettings(tensor_parallel_size=2),
-    }
-    group = RayWorkerGroup(ShardedPolicyWorker, groups, init, timeout_s=120.0)
-    try:
-        batching = MicroBatching(rows=4, logprob_chunk=CHUNK)
-        metrics = group.run_all("train", batch, loss_fn, global_batch_size=8, micro_batching=batching)
-        state = group.run_all("full_state_dict")[0]
-    finally:
-        group.shutdown()
-        remove_placement_groups(groups)
-    for key in ("loss", "grad_norm"):
-        assert metrics[0][key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
-    for name, p in single.model.named_parameters():
-        torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=2e-5, msg=name)
+    batching = MicroBatching(rows=4, logprob_chunk=CHUNK)
+    got, state = train_on_two_ray_ranks(tiny_tp_model_dir, 2, batch, loss_fn, batching)
+    assert_same_step(got, state, want, single)

@@ -12,6 +12,7 @@ planning of data-parallel shards (equal forward passes, inert rows taken back on
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -165,6 +166,42 @@ def test_a_grpo_step_skipping_flat_groups_equals_the_full_step(tiny_model_dir: P
         torch.testing.assert_close(params[name], value, rtol=0, atol=2e-5, msg=name)
 
 
+def train_on_two_ray_ranks(
+    model_dir: Path, tensor_parallel_size: int, batch: TrainBatch, loss_fn: Any, batching: MicroBatching | int
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """One ``train`` call of a batch of 8 (one optimizer step) on two ``ShardedPolicyWorker`` Ray ranks:
+    rank 0's metrics and the full state afterwards."""
+    from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
+    from rlfleet.distributed.worker_group import RayWorkerGroup
+    from rlfleet.models.loading import ModelSource
+    from rlfleet.policy.sharded_worker import ShardedPolicyWorker, ShardingSettings
+    from tests.conftest import TEST_OPTIMIZER
+
+    groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
+    init = {
+        "source": ModelSource(str(model_dir)),
+        "settings": TEST_OPTIMIZER,
+        "sharding": ShardingSettings(tensor_parallel_size=tensor_parallel_size),
+    }
+    group = RayWorkerGroup(ShardedPolicyWorker, groups, init, timeout_s=120.0)
+    try:
+        metrics = group.run_all("train", batch, loss_fn, global_batch_size=8, micro_batching=batching)
+        state = group.run_all("full_state_dict")[0]
+    finally:
+        group.shutdown()
+        remove_placement_groups(groups)
+    return metrics[0], state
+
+
+def assert_same_step(
+    got: dict[str, float], state: dict[str, torch.Tensor], want: dict[str, float], single: PolicyWorker
+) -> None:
+    for key in ("loss", "grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
+    for name, p in single.model.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=2e-5, msg=name)
+
+
 @pytest.mark.slow
 def test_two_fsdp_ranks_skipping_rows_equal_one_process_computing_all(
     ray_cluster: None, tiny_model_dir: Path
@@ -172,30 +209,9 @@ def test_two_fsdp_ranks_skipping_rows_equal_one_process_computing_all(
     """The sharded worker plans through the same code: rank 1 holds one trainable row, rank 0 three; both
     run as many forward passes (rank 1 takes an inert row back), and the update equals one process that
     computes every row."""
-    from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
-    from rlfleet.distributed.worker_group import RayWorkerGroup
-    from rlfleet.models.loading import ModelSource
-    from rlfleet.policy.sharded_worker import ShardedPolicyWorker, ShardingSettings
-    from tests.conftest import TEST_OPTIMIZER
-
     single = make_worker(tiny_model_dir)
     batch = with_zero_advantages(make_batch(single), (1, 4, 5, 6))  # rank 0: rows 0-3, rank 1: rows 4-7
     loss_fn = pg_loss(kl_penalty=0.0)
     want = single.train(batch, loss_fn, global_batch_size=8, micro_batching=MicroBatching(rows=2))
-    groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
-    init = {
-        "source": ModelSource(str(tiny_model_dir)),
-        "settings": TEST_OPTIMIZER,
-        "sharding": ShardingSettings(tensor_parallel_size=1),
-    }
-    group = RayWorkerGroup(ShardedPolicyWorker, groups, init, timeout_s=120.0)
-    try:
-        metrics = group.run_all("train", marked(batch), loss_fn, global_batch_size=8, micro_batching=2)
-        state = group.run_all("full_state_dict")[0]
-    finally:
-        group.shutdown()
-        remove_placement_groups(groups)
-    for key in ("loss", "grad_norm"):
-        assert metrics[0][key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
-    for name, p in single.model.named_parameters():
-        torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=2e-5, msg=name)
+    got, state = train_on_two_ray_ranks(tiny_model_dir, 1, marked(batch), loss_fn, 2)
+    assert_same_step(got, state, want, single)

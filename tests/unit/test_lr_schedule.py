@@ -46,23 +46,21 @@ def torch_lrs(schedule: LrSchedule, steps: int) -> list[float]:
         chained = torch.optim.lr_scheduler.SequentialLR(
             opt, [first, second], milestones=[schedule.warmup_steps]
         )
+    return trace(opt, chained, steps)
+
+
+def trace(opt: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, steps: int) -> list[float]:
     lrs = []
     for _ in range(steps):
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
-        chained.step()
+        scheduler.step()
     return lrs
 
 
 def ours(schedule: LrSchedule, steps: int) -> list[float]:
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, schedule))
-    lrs = []
-    for _ in range(steps):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return lrs
+    return trace(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, schedule)), steps)
 
 
 @pytest.mark.parametrize(
