@@ -49,7 +49,9 @@ def torch_lrs(schedule: LrSchedule, steps: int) -> list[float]:
     return trace(opt, chained, steps)
 
 
-def trace(opt: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, steps: int) -> list[float]:
+def trace(
+    opt: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, steps: int
+) -> list[float]:
     lrs = []
     for _ in range(steps):
         lrs.append(opt.param_groups[0]["lr"])
