@@ -279,6 +279,15 @@ def report(case: Case, sides: Sequence[Snapshots], scores: dict[str, dict[float,
             cells += [f"{100 * acc:.1f}%" if acc is not None else "", str(side.steps.get(mark, ""))]
         lines.append(f"| {mark / 60:.1f} | " + " | ".join(cells) + " |")
     lines += [f"\n{side.name} stopped early: {side.died}" for side in sides if side.died]
+    for side in sides:  # the peak too: RL on a small model is noisy from one mark to the next
+        curve = scores[side.name]
+        if curve:
+            best = max(curve, key=lambda m: (curve[m], -m))
+            lines.append(
+                f"{side.name}: start {100 * curve[min(curve)]:.1f}%, best {100 * curve[best]:.1f}% at "
+                f"{best / 60:.1f} min ({side.steps.get(best, 0)} steps), "
+                f"{side.steps.get(max(curve), 0)} steps in all"
+            )
     if "trl" in scores and "rlfleet" in scores and scores["trl"]:
         final_mark = max(scores["trl"])
         target = scores["trl"][final_mark]
