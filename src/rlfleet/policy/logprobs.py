@@ -107,8 +107,7 @@ class _LogprobHead(torch.nn.Module):
 
 
 @contextmanager
-def _output_layer_replaced(model: ScoringModel, stand_in: _LogprobHead) -> Iterator[None]:
-    inner = model.model if isinstance(model, WithoutAdapters) else model
+def _output_layer_replaced(inner: PreTrainedModel, stand_in: _LogprobHead) -> Iterator[None]:
     name = next(n for n, m in inner.named_children() if m is stand_in.head)
     setattr(inner, name, stand_in)
     try:
@@ -133,7 +132,7 @@ def model_logprobs(
         return logprobs_from_logits(logits, input_ids, temperature)
     inner = model.model if isinstance(model, WithoutAdapters) else model
     stand_in = _LogprobHead(inner.get_output_embeddings(), input_ids, temperature, chunk)
-    with _output_layer_replaced(model, stand_in):
+    with _output_layer_replaced(inner, stand_in):
         out = model(input_ids=input_ids, use_cache=False, **inputs).logits
     result = stand_in.result
     if result is None or out is not result:
