@@ -195,6 +195,7 @@ def test_a_model_that_transforms_its_logits_is_refused() -> None:
 
 def test_the_recipe_key_reaches_both_passes() -> None:
     from rlfleet.algorithms.builders import micro_batching
+    from rlfleet.config.describe import describe_algorithm
     from rlfleet.config.loader import load_recipe, resolve_recipe_path
 
     for extra in ([], ["policy.sequence_packing.enabled=false", "policy.dynamic_batching.enabled=true"]):
@@ -203,6 +204,7 @@ def test_the_recipe_key_reaches_both_passes() -> None:
         )
         assert micro_batching(cfg, "train").logprob_chunk == 512
         assert micro_batching(cfg, "logprobs").logprob_chunk == 512
+        assert "in chunks of 512 tokens" in dict(describe_algorithm(cfg))["micro-batches"]
     cfg = load_recipe(resolve_recipe_path("grpo-smollm2-135m-arithmetic-cpu"))
     assert micro_batching(cfg, "train").logprob_chunk is None
     with pytest.raises(ValueError, match="positive"):

@@ -122,6 +122,8 @@ def _batching(cfg: MasterConfig) -> str:
         how = f"padded micro-batches of {rows}"
     if cfg.grpo.skip_zero_advantage_rows and cfg.loss_fn.reference_policy_kl_penalty == 0:
         how += "; rows with advantage 0 skipped (counted in the normaliser)"
+    if p.logprob_chunk_size is not None:
+        how += f"; logprobs from hidden states in chunks of {p.logprob_chunk_size:,} tokens (no full logits)"
     return how
 
 
