@@ -82,6 +82,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     cfg = _load(args.recipe, args.overrides)
     layout = resource_layout(cfg)
     check_config(cfg, args.algorithm, layout=layout)
+    from rlfleet.memory_plan import ensure_fits
+
+    ensure_fits(cfg, layout, args.algorithm)
     print(config_to_yaml(cfg), end="")
     if args.algorithm == "grpo":
         print("# GRPO as configured:", *[f"#   {k}: {v}" for k, v in describe_algorithm(cfg)], sep="\n")

@@ -2,8 +2,9 @@
 
 Memory assumptions (FSDP2 mixed precision as NeMo RL's DTensor path runs it): fp32 master weights, fp32
 gradients and fp32 AdamW moments (m and v), all sharded over every training GPU (FSDP over data parallel,
-DTensor over tensor parallel); bf16 compute copies and activations come on top. Generation workers hold
-the weights in the policy precision, split over their tensor-parallel group, and the rest of
+DTensor over tensor parallel); bf16 compute copies, activations and logits come on top
+(:mod:`rlfleet.memory_estimate`, compared with this machine by :mod:`rlfleet.memory_plan`). Generation
+workers hold the weights in the policy precision, split over their tensor-parallel group, and the rest of
 ``gpu_memory_utilization`` goes to the KV cache. With LoRA the frozen base weights stay fp32 (sharded) and
 only the adapters have gradients and AdamW moments.
 """
@@ -17,45 +18,15 @@ from rlfleet.config.checks import layout_problems, unsupported_settings
 from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.resolved import policy_precision
-from rlfleet.config.schema import ArchitectureConfig, MasterConfig
-
-GIB = 1024**3
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def count_parameters(a: ArchitectureConfig) -> int:
-    """Parameters of a Llama/Qwen/Gemma-style decoder (gated MLP, GQA attention, RMSNorm)."""
-    head_dim = a.head_dim or a.hidden_size // a.num_attention_heads
-    attention = a.hidden_size * head_dim * (2 * a.num_attention_heads + 2 * a.num_key_value_heads)
-    mlp = 3 * a.hidden_size * a.intermediate_size
-    norms = 2 * a.hidden_size
-    embeddings = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)
-    return a.num_hidden_layers * (attention + mlp + norms) + embeddings + a.hidden_size
-
-
-def count_lora_parameters(cfg: MasterConfig) -> int:
-    """Adapter parameters ``policy.dtensor_cfg.lora_cfg`` adds to ``policy.architecture`` (Llama layout).
-
-    Raises:
-        LoraTargetError: A ``target_modules``/``exclude_modules`` pattern names no linear of that layout.
-    """
-    from rlfleet.algorithms.builders import lora_settings  # the one translation of lora_cfg
-    from rlfleet.models.lora import adapter_parameter_count, linear_shapes, select_targets
-
-    a, settings = cfg.policy.architecture, lora_settings(cfg)
-    if a is None or settings is None:
-        raise ValueError("count_lora_parameters needs policy.architecture and lora_cfg.enabled=true")
-    shapes = linear_shapes(
-        hidden=a.hidden_size,
-        heads=a.num_attention_heads,
-        kv_heads=a.num_key_value_heads,
-        head_dim=a.head_dim or a.hidden_size // a.num_attention_heads,
-        intermediate=a.intermediate_size,
-        layers=a.num_hidden_layers,
-        vocab=a.vocab_size,
-    )
-    tied = {"lm_head"} if a.tie_word_embeddings else set()
-    return adapter_parameter_count(shapes, select_targets(list(shapes), tied, settings), settings.dim)
+from rlfleet.config.schema import MasterConfig
+from rlfleet.memory_estimate import GIB
+from rlfleet.memory_plan import (
+    BUDGET_HEADROOM,
+    BYTES,
+    count_lora_parameters,
+    count_parameters,
+    trains_on_gpu,
+)
 
 
 @dataclass(frozen=True)
@@ -135,8 +106,9 @@ def vllm_engine_summary(cfg: MasterConfig, *, layout: ResourceLayout | None = No
     return text + (f", vllm_kwargs {sorted(v.vllm_kwargs)}" if v.vllm_kwargs else "")
 
 
-def _gpus(nodes: int, per_node: int) -> str:
-    return f"{nodes} node(s) x {per_node} GPU(s) = {nodes * per_node} GPU(s)"
+def _gpus(cfg: MasterConfig, nodes: int, per_node: int) -> str:
+    unit = "GPU(s)" if trains_on_gpu(cfg) else "CPU worker process(es)"
+    return f"{nodes} node(s) x {per_node} {unit} = {nodes * per_node} {unit}"
 
 
 def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
@@ -144,17 +116,17 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
     where = (
         "colocated with training"
         if lay.colocated
-        else f"dedicated {_gpus(lay.gen_nodes, lay.gen_gpus_per_node)}"
+        else f"dedicated {_gpus(cfg, lay.gen_nodes, lay.gen_gpus_per_node)}"
     )
     dp_micro = f"DP {lay.train_dp} x micro {p.train_micro_batch_size}"
     return [
-        ("cluster", _gpus(lay.num_nodes, lay.gpus_per_node)),
+        ("cluster", _gpus(cfg, lay.num_nodes, lay.gpus_per_node)),
         ("workers", _workers(cfg, lay)),
         ("generation", f"{where}; {lay.backend}, TP {lay.gen_tp} -> {lay.gen_engines} engine(s)"),
         *([("engine", plan.gen_engine)] if plan.gen_engine else []),
         (
             "training",
-            f"{_gpus(lay.train_nodes, lay.train_gpus_per_node)}: TP {lay.train_tp} x DP {lay.train_dp}",
+            f"{_gpus(cfg, lay.train_nodes, lay.train_gpus_per_node)}: TP {lay.train_tp} x DP {lay.train_dp}",
         ),
         (
             "samples per step",
@@ -197,6 +169,74 @@ def _workers(cfg: MasterConfig, lay: ResourceLayout) -> str:
     return text + f" + {lay.gen_world} generation actor(s) (refit by broadcast from training rank 0)"
 
 
+def _memory_lines(cfg: MasterConfig, plan: Plan) -> list[str]:
+    """The state of one training rank, each pass's peak by part, generation, and the machine's verdict."""
+    from rlfleet.memory_plan import largest_fitting_tokens, memory_plan, memory_problems
+
+    assert plan.parameters is not None
+    lay, p = plan.layout, cfg.policy
+    trainable = plan.trainable_parameters or plan.parameters
+    mem = memory_plan(cfg, lay, plan.parameters, trainable)
+    rank = "training GPU" if mem.on_gpu else "training process (CPU)"
+    shard = f"state sharded over {lay.train_world}" if uses_ray(cfg, layout=lay) else "whole model"
+    lines = [f"  memory per {rank} ({shard}; {policy_precision(cfg).name} compute):"]
+    for pass_, parts in mem.passes.items():
+        detail = ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items())
+        lines.append(
+            f"    {pass_ + ' pass peak':<22}{sum(parts.values()) / GIB:6.1f} GiB  "
+            f"({mem.tokens[pass_]:,} tokens per micro-batch: {detail})"
+        )
+    knobs = [
+        f"activation checkpointing {'on' if p.dtensor_cfg.activation_checkpointing else 'off'}",
+        f"logprobs in chunks of {p.logprob_chunk_size}" if p.logprob_chunk_size else "whole logits",
+    ]
+    lines.append(f"    {'':<22}{'; '.join(knobs)}")
+    if mem.generation:
+        detail = ", ".join(f"{k} {v / GIB:.2f}" for k, v in mem.generation.items())
+        lines.append(f"  {'generation memory':<20}{sum(mem.generation.values()) / GIB:.1f} GiB ({detail})")
+    else:
+        gen_precision = (
+            (p.generation.vllm_cfg.precision or policy_precision(cfg).name)
+            if lay.backend == "vllm"
+            else policy_precision(cfg).name
+        )
+        gen_weights = plan.parameters * BYTES[gen_precision] / lay.gen_tp / GIB
+        where = "per generation GPU" if mem.on_gpu or lay.backend == "vllm" else "generation"
+        kv = (
+            f"; KV cache: the rest of gpu_memory_utilization={plan.gen_memory_utilization} "
+            f"(max_model_len {plan.gen_max_model_len})"
+            if lay.backend == "vllm"
+            else "; shares the policy's weights"
+            if lay.colocated
+            else ""
+        )
+        lines.append(
+            f"  {'generation memory':<20}{where}: weights ({gen_precision}) {gen_weights:.2f} GiB{kv}"
+        )
+    if mem.available is None:
+        lines.append(f"  {'fits':<20}not compared: this machine is not where the run trains")
+        return lines
+    what = "one GPU" if mem.on_gpu else "this machine"
+    ranks = f"{mem.ranks_here} rank(s)" + (" + generation" if mem.generation else "")
+    problems = memory_problems(cfg, lay)
+    verdict = "does NOT fit: `validate` and the run refuse it" if problems else "fits"
+    lines.append(
+        f"  {'fits':<20}{verdict}: estimate {mem.total() / GIB:.1f} GiB ({ranks}) of "
+        f"{mem.available / GIB:.1f} GiB available on {what}"
+    )
+    lines += [f"  {'':<20}{problem}" for problem in problems]
+    section = next((s for s in ("sequence_packing", "dynamic_batching") if getattr(p, s).enabled), None)
+    if section is not None:
+        best = largest_fitting_tokens(cfg, lay, plan.parameters, trainable, "train")
+        lines.append(
+            f"  {'largest budget':<20}policy.{section}.train_mb_tokens={best} fits with "
+            f"{100 - round(100 * BUDGET_HEADROOM)}% headroom"
+            if best
+            else f"  {'largest budget':<20}no training token budget fits with headroom"
+        )
+    return lines
+
+
 def format_plan(cfg: MasterConfig, plan: Plan, recipe: str) -> str:
     """The plan as the text ``rlfleet plan`` prints."""
     lines = [f"plan for {recipe}"] + [f"  {k:<20}{v}" for k, v in _rows(cfg, plan)]
@@ -206,7 +246,7 @@ def format_plan(cfg: MasterConfig, plan: Plan, recipe: str) -> str:
     if plan.parameters is None:
         lines.append(f"  {'model':<20}no policy.architecture in the recipe: memory not estimated")
         return "\n".join(lines)
-    lay, p = plan.layout, cfg.policy
+    p = cfg.policy
     lines.append(f"  {'model':<20}{p.model_name}: {plan.parameters / 1e9:.2f}B parameters")
     if p.dtensor_cfg.lora_cfg.enabled and plan.trainable_parameters is not None:
         lo, trained = p.dtensor_cfg.lora_cfg, plan.trainable_parameters
@@ -215,15 +255,5 @@ def format_plan(cfg: MasterConfig, plan: Plan, recipe: str) -> str:
             f"({100 * trained / plan.parameters:.2f}%); AdamW state {8 * trained / 2**20:,.1f} MiB "
             f"vs {8 * plan.parameters / 2**20:,.1f} MiB for full fine-tuning"
         )
-    mem = plan.training_memory_gib()
-    lines.append(f"  memory per training GPU (sharded over {lay.train_world}; activations excluded):")
-    lines += [f"    {name:<30}{gib:8.1f} GiB" for name, gib in mem.items()]
-    lines.append(f"    {'total':<30}{sum(mem.values()):8.1f} GiB")
-    compute = policy_precision(cfg).name
-    gen_precision = (p.generation.vllm_cfg.precision or compute) if lay.backend == "vllm" else compute
-    gen_weights = plan.parameters * BYTES[gen_precision] / lay.gen_tp / GIB
-    lines.append("  memory per generation GPU:")
-    lines.append(f"    {'weights (' + gen_precision + ')':<30}{gen_weights:8.1f} GiB")
-    util, ctx = plan.gen_memory_utilization, plan.gen_max_model_len
-    lines.append(f"    {'KV cache':<30}the rest of gpu_memory_utilization={util} (max_model_len {ctx})")
+    lines += _memory_lines(cfg, plan)
     return "\n".join(lines)

@@ -132,8 +132,8 @@ def test_a_cycle_is_found() -> None:
 LAYERS = [
     {"errors", "utils", "answers"},
     {"rewards"},
-    {"config", "models"},
-    {"data", "generation", "checkpoint", "logging", "deploy", "environments"},
+    {"config", "models", "memory_estimate"},
+    {"data", "generation", "checkpoint", "logging", "deploy", "environments", "memory_plan"},
     {"policy"},
     {"distributed"},
     {"algorithms"},

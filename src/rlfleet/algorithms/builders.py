@@ -38,7 +38,7 @@ from rlfleet.generation import (
     VLLMSettings,
 )
 from rlfleet.models.loading import ModelSource
-from rlfleet.models.lora import LoraSettings
+from rlfleet.models.lora import lora_settings
 from rlfleet.policy.interface import Policy
 from rlfleet.policy.loss_functions import ClippedPGLossFn
 from rlfleet.policy.microbatch import MicroBatching
@@ -78,23 +78,6 @@ def optimizer_settings(cfg: MasterConfig) -> OptimizerSettings:
             decay_steps=sched.decay_steps,
             min_factor=sched.min_lr_factor,
         ),
-    )
-
-
-def lora_settings(cfg: MasterConfig) -> LoraSettings | None:
-    """``policy.dtensor_cfg.lora_cfg`` for the model builder; None when LoRA is off."""
-    lora = cfg.policy.dtensor_cfg.lora_cfg
-    if not lora.enabled:
-        return None
-    return LoraSettings(
-        dim=lora.dim,
-        alpha=lora.alpha,
-        dropout=lora.dropout,
-        dropout_position=lora.dropout_position,
-        lora_A_init=lora.lora_A_init,
-        target_modules=tuple(lora.target_modules),
-        exclude_modules=tuple(lora.exclude_modules),
-        match_all_linear=lora.match_all_linear,
     )
 
 

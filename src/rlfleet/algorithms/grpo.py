@@ -52,8 +52,10 @@ from rlfleet.algorithms.run import RunContext, closing_run, run_loop, start_run,
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
 from rlfleet.config.layout import resource_layout
 from rlfleet.generation import GenerationBackend
+from rlfleet.memory_plan import ensure_fits
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.microbatch import computed_rows
+from rlfleet.utils.memory import resident_bytes, take_peak_resident_bytes
 from rlfleet.utils.timing import PhaseTimer
 
 
@@ -124,6 +126,7 @@ class GRPO:
         layout = resource_layout(cfg)  # computed once for the checks, the workers and the loop
         check_config(cfg, "grpo", layout=layout)
         ensure_runnable(cfg, layout=layout)
+        ensure_fits(cfg, layout, "grpo")  # before any model is loaded
         self.cfg, self.settings = cfg, grpo_settings(cfg, layout)
         self.always_compute_prev = always_compute_prev
         age = self.settings.max_trajectory_age
@@ -314,6 +317,7 @@ class GRPO:
             "perf/training_tokens_per_s": all_tokens / max(timing["timing/training"], 1e-9),
         }
         out.update(self.backend.take_metrics())
+        out.update(trainer_memory_metrics())
         # the training pass, plus the prev and the reference logprob passes where they run
         extra_passes = int(not trained.prev_from_forward) + int(policy.has_reference)
         out.update(policy.take_metrics(int(all_tokens * (1 + extra_passes))))
@@ -390,6 +394,15 @@ def trained_logprobs(
 def collected_timing(collected: Collected) -> dict[str, float]:
     """``timing/generation`` and ``timing/reward`` of the collection (in the background when asynchronous)."""
     return {f"timing/{k}": v for k, v in collected.seconds.items()}
+
+
+def trainer_memory_metrics() -> dict[str, float]:
+    """``memory/trainer_rss_gib`` (resident memory of this process now) and ``memory/trainer_peak_rss_gib``
+    (its peak since the previous step's); none off Linux. Ray workers are other processes."""
+    now, peak = resident_bytes(), take_peak_resident_bytes()
+    if now is None or peak is None:
+        return {}
+    return {"memory/trainer_rss_gib": now / 2**30, "memory/trainer_peak_rss_gib": peak / 2**30}
 
 
 def grpo_train(cfg: MasterConfig) -> dict[str, float]:

@@ -35,6 +35,8 @@ from rlfleet.errors import UserError
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from rlfleet.config.schema import MasterConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -347,3 +349,20 @@ def linear_shapes(
 def adapter_parameter_count(shapes: Mapping[str, tuple[int, int]], targets: Sequence[str], dim: int) -> int:
     """Parameters of the adapters on ``targets``: ``dim * (in + out)`` each."""
     return sum(dim * (shapes[name][0] + shapes[name][1]) for name in targets)
+
+
+def lora_settings(cfg: MasterConfig) -> LoraSettings | None:
+    """``policy.dtensor_cfg.lora_cfg`` for the model builder; None when LoRA is off."""
+    lora = cfg.policy.dtensor_cfg.lora_cfg
+    if not lora.enabled:
+        return None
+    return LoraSettings(
+        dim=lora.dim,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        dropout_position=lora.dropout_position,
+        lora_A_init=lora.lora_A_init,
+        target_modules=tuple(lora.target_modules),
+        exclude_modules=tuple(lora.exclude_modules),
+        match_all_linear=lora.match_all_linear,
+    )

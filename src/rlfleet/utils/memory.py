@@ -17,6 +17,11 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 @functools.cache
@@ -41,3 +46,70 @@ def release_free_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux ``VmRSS``), or None elsewhere."""
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib * 1024
+
+
+def take_peak_resident_bytes() -> int | None:
+    """This process's peak resident memory since the last call (Linux ``VmHWM``, then reset through
+    ``/proc/self/clear_refs``), or None elsewhere."""
+    kib = _status_kib("VmHWM")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return None if kib is None else kib * 1024
+
+
+class LiveTensorBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts the bytes of CPU tensor storages created under it that are still alive; ``peak`` is the
+    most at once. Storages an op was given (in-place results, views) are not new and are not counted.
+
+    A measuring tool for tests and benchmarks (every op goes through Python: slow on large models).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def _free(self, key: int, size: int) -> None:
+        self._seen.discard(key)
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        given = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in self._seen and key not in given:
+                size = storage.nbytes()
+                self._seen.add(key)
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._free, key, size)
+        return out

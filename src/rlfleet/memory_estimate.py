@@ -1,0 +1,163 @@
+"""Peak memory of a training rank's logprob and training passes, from the model's shape alone.
+
+Pure arithmetic over ``policy.architecture`` and the micro-batch token budget, so ``rlfleet plan`` and
+``rlfleet validate`` can size a layout before any model is loaded. What a training rank holds at the peak
+of a pass (Hugging Face's Llama-style decoder, SDPA attention, rlfleet's policy worker):
+
+- **model state**: float32 master weights, float32 AdamW moments of the trained parameters, the frozen
+  reference copy in the compute dtype when the loss needs one; all sharded over the training ranks;
+- **bf16 compute copies**: under ``torch.autocast`` (one process) every weight's cast stays cached for the
+  forward and backward (2 bytes a parameter); FSDP2 casts a layer at a time instead;
+- **activations**: what autograd saves for the backward, per decoder layer and token, counted op by op
+  below (``layer_activation_bytes``); with activation checkpointing only each layer's float32 input is kept
+  and one layer's activations are recomputed at a time;
+- **logits**: ``[tokens x vocabulary]`` logits in the compute dtype, their float32 copy and, in training,
+  its gradients; with ``policy.logprob_chunk_size`` only one chunk of tokens at a time;
+- **gradients** (float32, trained parameters) at the end of the backward and the optimizer step;
+- on a CPU, the process itself (Python, PyTorch, transformers, tokenizer) and what glibc's heap keeps
+  resident of the blocks a backward frees (measured: about 0.3 of the layer activations it allocated, see
+  ``CPU_HEAP_RETENTION``), so the CPU estimate is of resident memory, the GPU one of
+  ``torch.cuda.max_memory_allocated``.
+
+The per-token constants were counted with ``saved_tensors_hooks`` on transformers' Llama and checked
+against the peak of live tensors and the peak resident memory of SmolLM2-135M training passes
+(``benchmarks/memory.py``); ``tests/unit/test_memory_estimate.py`` holds the tensor part to within 25% of
+a tiny model's measured peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlfleet.config.schema import ArchitectureConfig
+
+GIB = 1024**3
+
+# bytes per logit element at the peak of a pass, measured on SmolLM2 (benchmarks/memory.py): the logprob
+# pass keeps the compute-dtype logits and a float32 copy (2 + 4, logsumexp fused); the training pass also
+# holds the float32 softmax gradient, the scattered target gradient and their compute-dtype cast
+LOGIT_BYTES = {"logprob": 6.0, "train": 15.6}
+# resident memory of the trainer process beside its tensors on a CPU (interpreter, PyTorch, transformers,
+# tokenizer, data): measured 0.6-1.0 GiB for SmolLM2 (benchmarks/memory.py)
+CPU_PROCESS_BYTES = int(0.8 * GIB)
+# glibc keeps freed heap blocks resident; during a backward on a CPU the heap grew by about this share of
+# the layer activations the pass allocated (SmolLM2, bf16 and float32, with and without checkpointing)
+CPU_HEAP_RETENTION = 0.3
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """One pass of one training rank.
+
+    Attributes:
+        tokens: Tokens of its largest micro-batch (padding included).
+        logit_tokens: Tokens whose logits exist at once (``logprob_chunk_size``, or ``tokens``).
+        compute_bytes: 2 for bfloat16/float16 compute, 4 for float32.
+        checkpointing: Activation checkpointing of the decoder layers.
+        tensor_parallel: The training tensor-parallel size (shards heads, the MLP and the vocabulary).
+    """
+
+    tokens: int
+    logit_tokens: int
+    compute_bytes: int
+    checkpointing: bool
+    tensor_parallel: int = 1
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Bytes of model state one training rank holds (already sharded)."""
+
+    weights: float
+    optimizer: float
+    gradients: float
+    reference: float
+    compute_copies: float
+
+
+def head_dim(a: ArchitectureConfig) -> int:
+    return a.head_dim or a.hidden_size // a.num_attention_heads
+
+
+def layer_activation_bytes(a: ArchitectureConfig, compute_bytes: int, tensor_parallel: int = 1) -> float:
+    """Bytes one decoder layer saves for its backward per token.
+
+    Counted with ``saved_tensors_hooks`` on transformers' Llama layer (exact for it): two RMSNorms
+    (float32 input, normalised output, 1/rms: ``8h + 4`` each); SDPA's query, key, value, output and
+    float32 logsumexp; the output projection's input; the gated MLP's gate, up, activation and product.
+    Under autocast each projection also saves its own cast of its input (3 for q/k/v, 2 for gate/up);
+    float32 shares the one normalised tensor. ``q``/``kv``/``i`` and the heads are split by tensor parallel.
+    """
+    h, heads, i = a.hidden_size, a.num_attention_heads, a.intermediate_size
+    q, kv = heads * head_dim(a), a.num_key_value_heads * head_dim(a)
+    if compute_bytes == 4:
+        fixed, split = 20 * h, 12 * q + 8 * kv + 16 * i
+    else:
+        fixed, split = 24 * h, 6 * q + 4 * kv + 8 * i
+    return fixed + 8 + (split + 4 * heads) / tensor_parallel
+
+
+def layer_transient_bytes(a: ArchitectureConfig, compute_bytes: int, tensor_parallel: int = 1) -> float:
+    """Bytes per token a layer's forward without autograd holds at once: the float32 residual stream,
+    the norm's output and its casts, the MLP's gate, up, activation and product, the attention's query,
+    key and value (measured on tiny Llamas to within 10%): what a logprob pass adds to the model state."""
+    q, kv = a.num_attention_heads * head_dim(a), a.num_key_value_heads * head_dim(a)
+    return 16 * a.hidden_size + compute_bytes * (4 * a.intermediate_size + q + 2 * kv) / tensor_parallel
+
+
+def activation_bytes(a: ArchitectureConfig, shape: PassShape) -> float:
+    """Saved activations of a training pass at the start of its backward (embeddings and final norm
+    included); with checkpointing, the layers' float32 inputs plus one layer recomputed."""
+    per_layer = layer_activation_bytes(a, shape.compute_bytes, shape.tensor_parallel)
+    ends = 12 * a.hidden_size  # embedding output, final norm
+    if shape.checkpointing:
+        return shape.tokens * (a.num_hidden_layers * 4 * a.hidden_size + per_layer + ends)
+    return shape.tokens * (a.num_hidden_layers * per_layer + ends)
+
+
+def logit_bytes(a: ArchitectureConfig, shape: PassShape, pass_: str) -> float:
+    return shape.logit_tokens * a.vocab_size * LOGIT_BYTES[pass_] / shape.tensor_parallel
+
+
+def heap_retention_bytes(a: ArchitectureConfig, shape: PassShape) -> float:
+    """What glibc keeps resident of the blocks a CPU backward frees (``CPU_HEAP_RETENTION``)."""
+    per_layer = layer_activation_bytes(a, shape.compute_bytes, shape.tensor_parallel)
+    return CPU_HEAP_RETENTION * shape.tokens * a.num_hidden_layers * per_layer
+
+
+def train_peak(a: ArchitectureConfig, state: ModelState, shape: PassShape, *, cpu: bool) -> dict[str, float]:
+    """Bytes at the peak of a training pass, by part (the larger of the backward's start and its end,
+    where the gradients are); on a CPU with the process and the heap's retention."""
+    held = {
+        "weights (fp32)": state.weights,
+        "AdamW moments (fp32)": state.optimizer,
+        "reference copy": state.reference,
+        "compute copies": state.compute_copies,
+    }
+    backward = activation_bytes(a, shape) + logit_bytes(a, shape, "train")
+    # at the end of the backward the float32 gradients exist (AdamW's update adds less than they do:
+    # measured on SmolLM2, the pass's peak with nothing else left was the gradients plus the casts)
+    if backward >= state.gradients:
+        held |= {"activations": activation_bytes(a, shape), "logits": logit_bytes(a, shape, "train")}
+    else:
+        held |= {"gradients": state.gradients}
+    if cpu:
+        held |= {"heap retention": heap_retention_bytes(a, shape), "process": CPU_PROCESS_BYTES}
+    return {k: v for k, v in held.items() if v}
+
+
+def logprob_peak(
+    a: ArchitectureConfig, state: ModelState, shape: PassShape, *, cpu: bool
+) -> dict[str, float]:
+    """Bytes at the peak of a logprob pass (no autograd), by part."""
+    held = {
+        "weights (fp32)": state.weights,
+        "AdamW moments (fp32)": state.optimizer,
+        "reference copy": state.reference,
+        "compute copies": state.compute_copies,
+        "activations": shape.tokens * layer_transient_bytes(a, shape.compute_bytes, shape.tensor_parallel),
+        "logits": logit_bytes(a, shape, "logprob"),
+    }
+    if cpu:
+        held["process"] = CPU_PROCESS_BYTES
+    return {k: v for k, v in held.items() if v}

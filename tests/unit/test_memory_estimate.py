@@ -1,0 +1,238 @@
+"""The memory estimate of `plan`/`validate` (rlfleet.memory_estimate, rlfleet.memory_plan).
+
+The per-layer activation count is checked exactly against what autograd saves in transformers' Llama; the
+whole tensor estimate of a pass against the measured peak of live tensors of a tiny model's logprob and
+training passes (within 25%, the bound benchmarks/memory.py reports for SmolLM2's resident memory); the
+refusal against a machine made small.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rlfleet.cli import main
+from rlfleet.config import load_recipe, resolve_recipe_path
+from rlfleet.config.layout import resource_layout
+from rlfleet.config.schema import ArchitectureConfig
+from rlfleet.memory_estimate import (
+    GIB,
+    ModelState,
+    PassShape,
+    layer_activation_bytes,
+    logprob_peak,
+    train_peak,
+)
+from rlfleet.memory_plan import count_parameters, largest_fitting_tokens, memory_plan, memory_problems
+from rlfleet.models.loading import ModelSource
+from rlfleet.models.tiny import TinyModelSpec, create_tiny_model
+from rlfleet.policy.batch import collate
+from rlfleet.policy.microbatch import MicroBatching
+from rlfleet.policy.worker import PolicyWorker
+from rlfleet.utils.memory import LiveTensorBytes
+from tests.conftest import TEST_OPTIMIZER, pg_loss
+
+SHAPES = [  # hidden, intermediate, heads, kv heads
+    (128, 256, 4, 4),
+    (256, 512, 4, 2),
+    (128, 256, 8, 2),
+]
+
+
+def _saved_bytes(h: int, i: int, heads: int, kv: int, layers: int, tokens: int, dtype: str) -> int:
+    """Bytes autograd saves for the backward of a Llama forward, weights and their casts excluded."""
+    cfg = LlamaConfig(
+        hidden_size=h, intermediate_size=i, num_attention_heads=heads, num_key_value_heads=kv,
+        num_hidden_layers=layers, vocab_size=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    weight_sizes = {p.numel() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in weights and t.numel() not in weight_sizes:  # not a weight, nor its cast
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        model.model(input_ids=torch.randint(0, 64, (1, tokens)))
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("h", "i", "heads", "kv"), SHAPES)
+def test_layer_activation_bytes_is_what_autograd_saves(
+    dtype: str, h: int, i: int, heads: int, kv: int
+) -> None:
+    tokens = 47  # prime: no activation has a weight's number of elements
+    per_layer = (
+        _saved_bytes(h, i, heads, kv, 3, tokens, dtype) - _saved_bytes(h, i, heads, kv, 2, tokens, dtype)
+    ) / tokens
+    arch = ArchitectureConfig(
+        hidden_size=h, num_hidden_layers=3, num_attention_heads=heads, num_key_value_heads=kv,
+        intermediate_size=i, vocab_size=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    assert layer_activation_bytes(arch, 4 if dtype == "float32" else 2) == per_layer
+
+
+# ------------------------------------------------------------------ the estimate against a measured pass
+
+SPEC = TinyModelSpec(num_hidden_layers=2, vocab_size=512)  # hidden 128, intermediate 384, 4 heads, 2 kv
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    corpus = [f"{a} plus {b} is {a + b}" for a in range(60) for b in range(20)]
+    return create_tiny_model(tmp_path_factory.mktemp("mem") / "model", corpus, SPEC, seed=0)
+
+
+def _arch(c: LlamaConfig) -> ArchitectureConfig:
+    return ArchitectureConfig(
+        hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("checkpointing", "chunk"), [(False, None), (True, None), (False, 128), (True, 128)])
+def test_estimate_holds_the_measured_peak_of_live_tensors(
+    model_dir: Path, precision: str, checkpointing: bool, chunk: int | None
+) -> None:
+    """The estimate's tensor part (what a pass allocates above the weights and AdamW moments) is within
+    25% of the peak of live tensors the pass created, for both passes."""
+    worker = PolicyWorker(
+        ModelSource(str(model_dir), precision), TEST_OPTIMIZER, keep_reference=False,
+        activation_checkpointing=checkpointing,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    rows, tokens = 16, 16 * 128
+    arch = _arch(worker.model.config)
+    prompts = [torch.randint(3, arch.vocab_size, (48,), generator=gen).tolist() for _ in range(rows)]
+    responses = [torch.randint(3, arch.vocab_size, (80,), generator=gen).tolist() for _ in range(rows)]
+    batch = collate(prompts, responses, 0).with_(advantages=torch.randn(rows, generator=gen))
+    batching = MicroBatching(rows, tokens, pack=True, logprob_chunk=chunk)
+    batch = batch.with_(prev_logprobs=worker.logprobs(batch, batching))
+
+    def train() -> None:
+        worker.train(batch, pg_loss(), global_batch_size=rows, micro_batching=batching)
+
+    train()  # the AdamW moments exist from here on
+    measured = {}
+    for name, run in (("train", train), ("logprob", lambda: worker.logprobs(batch, batching))):
+        with LiveTensorBytes() as live:
+            run()
+        measured[name] = live.peak
+
+    n = count_parameters(arch)
+    compute = 4 if precision == "float32" else 2
+    state = ModelState(
+        weights=4 * n, optimizer=8 * n, gradients=4 * n, reference=0.0, compute_copies=(compute == 2) * 2 * n
+    )
+    shape = PassShape(
+        tokens=tokens, logit_tokens=chunk or tokens, compute_bytes=compute, checkpointing=checkpointing
+    )
+    held = {"weights (fp32)", "AdamW moments (fp32)"}  # allocated before the pass
+    for name, parts in (
+        ("train", train_peak(arch, state, shape, cpu=False)),
+        ("logprob", logprob_peak(arch, state, shape, cpu=False)),
+    ):
+        estimated = sum(v for k, v in parts.items() if k not in held)
+        assert estimated == pytest.approx(measured[name], rel=0.25), (name, parts, measured[name])
+
+
+# ----------------------------------------------------------------------------------- plan and refusal
+
+OOM_LAYOUT = [  # issue 20: OOM-killed at 21 GB resident on a 24 GB machine
+    "policy.sequence_packing.enabled=true",
+    "policy.train_micro_batch_size=16",
+    "policy.logprob_batch_size=32",
+    "policy.precision=bfloat16",
+]
+
+
+def _cfg(*overrides: str):
+    return load_recipe(resolve_recipe_path("grpo-smollm2-135m-gsm8k-cpu"), list(overrides))
+
+
+def _machine(monkeypatch: pytest.MonkeyPatch, gib: float) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RLFLEET_MEMORY_CHECK", raising=False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("rlfleet.memory_plan.cpu_available_bytes", lambda: int(gib * GIB))
+
+
+def test_the_layout_the_oom_killer_ended_is_refused_with_the_estimate_and_a_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _machine(monkeypatch, 22.8)  # this machine's MemAvailable
+    cfg = _cfg(*OOM_LAYOUT)
+    [problem] = memory_problems(cfg)
+    assert "exceeds the 22.8 GiB available" in problem and "train pass of 10,240 tokens" in problem
+    assert "activation_checkpointing=true" in problem and "logprob_chunk_size=512" in problem
+    assert "policy.sequence_packing.train_mb_tokens=" in problem
+    monkeypatch.setenv("RLFLEET_MEMORY_CHECK", "off")
+    assert memory_problems(cfg) == []
+
+
+def test_the_suggested_fixes_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    _machine(monkeypatch, 22.8)
+    assert (
+        memory_problems(
+            _cfg(
+                *OOM_LAYOUT,
+                "policy.dtensor_cfg.activation_checkpointing=true",
+                "policy.logprob_chunk_size=512",
+            )
+        )
+        == []
+    )
+    cfg = _cfg(*OOM_LAYOUT)
+    layout, n = resource_layout(cfg), count_parameters(cfg.policy.architecture)
+    best = largest_fitting_tokens(cfg, layout, n, n, "train")
+    assert best is not None and best % 256 == 0
+    available = 22.8 * GIB
+    assert memory_plan(cfg, layout, n, n, tokens={"train": best}).total() <= 0.7 * available
+    assert memory_plan(cfg, layout, n, n, tokens={"train": best + 256}).total() > 0.7 * available
+    assert memory_problems(_cfg(*OOM_LAYOUT, f"policy.sequence_packing.train_mb_tokens={best}")) == []
+
+
+def test_nothing_is_compared_where_the_run_does_not_train_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    _machine(monkeypatch, 1.0)
+    assert memory_problems(_cfg(*OOM_LAYOUT))  # 1 GiB: refused here
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    assert memory_problems(_cfg(*OOM_LAYOUT)) == []
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert memory_problems(_cfg(*OOM_LAYOUT, "cluster.num_nodes=2")) == []
+    assert memory_problems(_cfg(*OOM_LAYOUT, "policy.architecture=null")) == []
+
+
+def test_validate_exits_2_before_loading_anything(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _machine(monkeypatch, 22.8)
+    monkeypatch.setattr(
+        "rlfleet.models.loading.ModelSource.load_tokenizer", lambda self: pytest.fail("loaded")
+    )
+    assert main(["validate", "grpo-smollm2-135m-gsm8k-cpu", *OOM_LAYOUT]) == 2
+    err = capsys.readouterr().err
+    assert "would not fit in memory" in err and "fix:" in err
+
+
+def test_plan_prints_each_pass_the_machine_and_what_it_runs_on(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _machine(monkeypatch, 22.8)
+    assert main(["plan", "grpo-smollm2-135m-arithmetic-cpu", "policy.generation.backend=hf"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU worker process(es)" in out and "GPU" not in out.split("model")[0]
+    assert "train pass peak" in out and "logprob pass peak" in out and "activations" in out
+    assert "fits: estimate" in out and "of 22.8 GiB available on this machine" in out
+    assert "largest budget      policy.sequence_packing.train_mb_tokens=" in out
