@@ -34,15 +34,17 @@ from rlfleet.config.schema import ArchitectureConfig
 GIB = 1024**3
 
 # bytes per logit element at the peak of a pass, measured on SmolLM2 (benchmarks/memory.py): the logprob
-# pass keeps the compute-dtype logits and a float32 copy (2 + 4, logsumexp fused); the training pass also
-# holds the float32 softmax gradient, the scattered target gradient and their compute-dtype cast
-LOGIT_BYTES = {"logprob": 6.0, "train": 15.6}
+# pass keeps the compute-dtype logits, a float32 copy and logsumexp's float32 temporary (2 + 4 + 4); the
+# training pass also holds the float32 softmax gradient, the scattered target gradient and their cast
+LOGIT_BYTES = {"logprob": 10.0, "train": 15.6}
 # resident memory of the trainer process beside its tensors on a CPU (interpreter, PyTorch, transformers,
 # tokenizer, data): measured 0.6-1.0 GiB for SmolLM2 (benchmarks/memory.py)
 CPU_PROCESS_BYTES = int(0.8 * GIB)
 # glibc keeps freed heap blocks resident; during a backward on a CPU the heap grew by about this share of
-# the layer activations the pass allocated (SmolLM2, bf16 and float32, with and without checkpointing)
+# the layer activations the pass allocated (SmolLM2, bf16 and float32, with and without checkpointing).
+# Blocks from glibc's largest mmap threshold up are mapped and unmapped on their own: never retained.
 CPU_HEAP_RETENTION = 0.3
+MMAP_THRESHOLD_MAX = 32 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -120,9 +122,22 @@ def logit_bytes(a: ArchitectureConfig, shape: PassShape, pass_: str) -> float:
 
 
 def heap_retention_bytes(a: ArchitectureConfig, shape: PassShape) -> float:
-    """What glibc keeps resident of the blocks a CPU backward frees (``CPU_HEAP_RETENTION``)."""
-    per_layer = layer_activation_bytes(a, shape.compute_bytes, shape.tensor_parallel)
-    return CPU_HEAP_RETENTION * shape.tokens * a.num_hidden_layers * per_layer
+    """What glibc keeps resident of the blocks a CPU backward frees: ``CPU_HEAP_RETENTION`` of the layer
+    activations held in blocks under ``MMAP_THRESHOLD_MAX`` (tensors of the hidden width, of the
+    intermediate width, of the attention's width; ``layer_activation_bytes`` split by width)."""
+    h, c, tp, t = a.hidden_size, shape.compute_bytes, shape.tensor_parallel, shape.tokens
+    q, kv, i = a.num_attention_heads * head_dim(a), a.num_key_value_heads * head_dim(a), a.intermediate_size
+    if c == 4:  # (bytes per token of the layer, bytes per token of one such tensor)
+        parts = [(20 * h, 4 * h), (16 * i / tp, 4 * i / tp), ((12 * q + 8 * kv) / tp, 4 * q / tp)]
+    else:
+        parts = [
+            (16 * h, 4 * h),
+            (8 * h, c * h),
+            (8 * i / tp, c * i / tp),
+            ((6 * q + 4 * kv) / tp, c * q / tp),
+        ]
+    small = sum(total for total, one in parts if t * one < MMAP_THRESHOLD_MAX)
+    return CPU_HEAP_RETENTION * t * a.num_hidden_layers * small
 
 
 def train_peak(a: ArchitectureConfig, state: ModelState, shape: PassShape, *, cpu: bool) -> dict[str, float]:
