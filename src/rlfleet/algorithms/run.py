@@ -29,7 +29,7 @@ from rlfleet.rewards import ScoringPool
 log = logging.getLogger("rlfleet")
 STEP_RECORD = "step_record"  # training_info.json key holding the step's metrics.jsonl record
 # Metrics that measure the machine, not the run: not carried across a resume nor used to rank checkpoints.
-MACHINE_METRICS = ("timing/", "perf/")
+MACHINE_METRICS = ("timing/", "perf/", "memory/")  # measurements of the machine, not of the run
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
