@@ -25,6 +25,9 @@ from rlfleet.memory_plan import (
     BYTES,
     count_lora_parameters,
     count_parameters,
+    largest_fitting_tokens,
+    memory_plan,
+    memory_problems,
     trains_on_gpu,
 )
 
@@ -171,8 +174,6 @@ def _workers(cfg: MasterConfig, lay: ResourceLayout) -> str:
 
 def _memory_lines(cfg: MasterConfig, plan: Plan) -> list[str]:
     """The state of one training rank, each pass's peak by part, generation, and the machine's verdict."""
-    from rlfleet.memory_plan import largest_fitting_tokens, memory_plan, memory_problems
-
     assert plan.parameters is not None
     lay, p = plan.layout, cfg.policy
     trainable = plan.trainable_parameters or plan.parameters
