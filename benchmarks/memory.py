@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -46,7 +47,7 @@ def overrides(mode: str, pass_: str, tokens: int, precision: str) -> list[str]:
     ]
 
 
-def estimate(mode: str, pass_: str, tokens: int, precision: str) -> dict[str, float]:
+def estimate(mode: str, pass_: str, tokens: int, precision: str, allocator: str) -> dict[str, float]:
     from rlfleet.config import load_recipe, resolve_recipe_path
     from rlfleet.config.layout import resource_layout
     from rlfleet.memory_plan import count_parameters, memory_plan
@@ -54,7 +55,7 @@ def estimate(mode: str, pass_: str, tokens: int, precision: str) -> dict[str, fl
     cfg = load_recipe(resolve_recipe_path(RECIPE), overrides(mode, pass_, tokens, precision))
     assert cfg.policy.architecture is not None
     n = count_parameters(cfg.policy.architecture)
-    plan = memory_plan(cfg, resource_layout(cfg), n, n)
+    plan = memory_plan(cfg, resource_layout(cfg), n, n, allocator=allocator)
     return plan.passes[pass_] | {"_available": float(plan.available or 0)}
 
 
@@ -68,6 +69,7 @@ def child(spec: dict) -> dict:
     from rlfleet.policy.loss_functions import ClippedPGLossFn
     from rlfleet.policy.microbatch import MicroBatching
     from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
+    from rlfleet.utils.allocator import running_allocator
     from rlfleet.utils.memory import release_free_memory, take_peak_resident_bytes
 
     cfg = load_recipe(resolve_recipe_path(RECIPE), overrides(spec["mode"], spec["pass"], 256, "bfloat16"))
@@ -110,12 +112,25 @@ def child(spec: dict) -> dict:
         run(spec["tokens"], spec["pass"])
         seconds.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if cuda else take_peak_resident_bytes()
-    return {"peak": peak, "seconds": min(seconds), "device": "cuda" if cuda else "cpu"}
+    device = "cuda" if cuda else "cpu"
+    return {"peak": peak, "seconds": min(seconds), "device": device, "allocator": running_allocator()}
 
 
-def measure(spec: dict) -> dict:
+def child_env(allocator: str) -> dict[str, str]:
+    """The environment of a measured child: on jemalloc as ``rlfleet`` runs one, or on glibc's malloc."""
+    from rlfleet.utils.allocator import ENV, reexec_argv
+
+    env = {**os.environ, ENV: allocator}
+    plan = reexec_argv(env, [sys.executable], sys.executable)
+    return plan[1] if plan else env
+
+
+def measure(spec: dict, allocator: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True
+        [sys.executable, __file__, "--child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=child_env(allocator),
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
@@ -125,22 +140,25 @@ def measure(spec: dict) -> dict:
 
 def grid(args: argparse.Namespace) -> None:
     gib = 2**30
-    print(f"SmolLM2-135M-Instruct, {args.precision} compute, packed rows of {sum(ROW)} tokens; peak resident")
-    print("memory measured in a fresh process against rlfleet plan's estimate")
+    print(f"SmolLM2-135M-Instruct, {args.precision} compute, packed rows of {sum(ROW)} tokens,")
+    print(f"{args.allocator} malloc; peak resident memory in a fresh process against rlfleet plan's estimate")
     print("| pass | tokens | mode | estimated GiB | measured GiB | estimate / measured | s per 1k tokens |")
     print("|---|---|---|---|---|---|---|")
     worst = 0.0
     for pass_ in args.passes:
         for tokens in args.tokens if pass_ == "train" else args.logprob_tokens:
             for mode in args.modes:
-                parts = estimate(mode, pass_, tokens, args.precision)
+                parts = estimate(mode, pass_, tokens, args.precision, args.allocator)
                 available = parts.pop("_available")
                 est = sum(parts.values())
                 row = f"| {pass_} | {tokens:,} | {mode} | {est / gib:.2f} |"
                 if available and est > 0.75 * available:
                     print(f"{row} not run (over 75% of {available / gib:.1f} GiB available) | | |")
                     continue
-                got = measure({"mode": mode, "pass": pass_, "tokens": tokens, "precision": args.precision})
+                spec = {"mode": mode, "pass": pass_, "tokens": tokens, "precision": args.precision}
+                got = measure(spec, args.allocator)
+                if "error" not in got and got["allocator"] != args.allocator:
+                    got = {"error": f"the child ran on {got['allocator']}, not {args.allocator}"}
                 if "error" in got:
                     print(f"{row} failed: {got['error']} | | |")
                     continue
@@ -188,6 +206,12 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--passes", nargs="+", choices=["train", "logprob"], default=["train", "logprob"])
     parser.add_argument("--precision", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--allocator",
+        default="jemalloc",
+        choices=["jemalloc", "glibc"],
+        help="the children's malloc (jemalloc, as the rlfleet command runs where one is installed)",
+    )
     parser.add_argument("--steps", type=int, help="train the SmolLM2 arithmetic recipe N steps instead")
     parser.add_argument("overrides", nargs="*", help="recipe overrides for --steps")
     parser.add_argument("--child", help=argparse.SUPPRESS)

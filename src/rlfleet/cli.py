@@ -32,6 +32,7 @@ from rlfleet.config.layout import resource_layout
 from rlfleet.deploy.cli import add_deploy_commands
 from rlfleet.errors import UserError
 from rlfleet.logging.capture import ConsoleCapture
+from rlfleet.utils.allocator import run_on_jemalloc
 
 log = logging.getLogger("rlfleet")
 
@@ -82,12 +83,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     cfg = _load(args.recipe, args.overrides)
     layout = resource_layout(cfg)
     check_config(cfg, args.algorithm, layout=layout)
-    from rlfleet.memory_plan import ensure_fits
+    from rlfleet.memory_plan import ensure_fits, fitted_budgets
 
     ensure_fits(cfg, layout, args.algorithm)
     print(config_to_yaml(cfg), end="")
     if args.algorithm == "grpo":
-        print("# GRPO as configured:", *[f"#   {k}: {v}" for k, v in describe_algorithm(cfg)], sep="\n")
+        described = describe_algorithm(cfg, fitted_budgets(cfg))
+        print("# GRPO as configured:", *[f"#   {k}: {v}" for k, v in described], sep="\n")
     not_here = unsupported_settings(cfg, layout=layout)
     if not_here:
         print("# valid; this build cannot run it as given yet:", *[f"#   - {p}" for p in not_here], sep="\n")
@@ -230,6 +232,12 @@ def debug_requested(flag: bool) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None:
+        try:  # before anything is loaded: rlfleet runs on jemalloc where one is installed (and plans for it)
+            run_on_jemalloc()
+        except UserError as exc:
+            print(f"rlfleet: {exc}", file=sys.stderr)
+            return 2
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )

@@ -140,9 +140,13 @@ def heap_retention_bytes(a: ArchitectureConfig, shape: PassShape) -> float:
     return CPU_HEAP_RETENTION * t * a.num_hidden_layers * small
 
 
-def train_peak(a: ArchitectureConfig, state: ModelState, shape: PassShape, *, cpu: bool) -> dict[str, float]:
+def train_peak(
+    a: ArchitectureConfig, state: ModelState, shape: PassShape, *, cpu: bool, allocator: str = "glibc"
+) -> dict[str, float]:
     """Bytes at the peak of a training pass, by part (the larger of the backward's start and its end,
-    where the gradients are); on a CPU with the process and the heap's retention."""
+    where the gradients are); on a CPU with the process, and the heap's retention under glibc's
+    ``malloc`` (jemalloc, as ``rlfleet`` runs a training process where it is installed, reuses what the
+    backward frees: ``rlfleet.utils.allocator``)."""
     held = {
         "weights (fp32)": state.weights,
         "AdamW moments (fp32)": state.optimizer,
@@ -157,7 +161,8 @@ def train_peak(a: ArchitectureConfig, state: ModelState, shape: PassShape, *, cp
     else:
         held |= {"gradients": state.gradients}
     if cpu:
-        held |= {"heap retention": heap_retention_bytes(a, shape), "process": CPU_PROCESS_BYTES}
+        retained = heap_retention_bytes(a, shape) if allocator == "glibc" else 0.0
+        held |= {"heap retention": retained, "process": CPU_PROCESS_BYTES}
     return {k: v for k, v in held.items() if v}
 
 

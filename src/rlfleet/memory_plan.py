@@ -27,6 +27,7 @@ from rlfleet.memory_estimate import (
     logprob_peak,
     train_peak,
 )
+from rlfleet.utils.allocator import running_allocator
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # a CPU vLLM engine process beside its weights and KV cache space (interpreter, torch, vLLM)
@@ -51,6 +52,7 @@ class MemoryPlan:
         generation: Bytes of the generation engines that share that memory (CPU vLLM engines), by part.
         available: Bytes this machine offers the run (CPU: MemAvailable; GPU: one device's memory), or
             None where it cannot be known here (a remote cluster, no CUDA for a GPU recipe).
+        allocator: The ``malloc`` a CPU estimate is for (``glibc`` keeps part of what a backward frees).
     """
 
     on_gpu: bool
@@ -59,6 +61,7 @@ class MemoryPlan:
     ranks_here: int
     generation: dict[str, float]
     available: int | None
+    allocator: str
 
     def rank_peak(self) -> float:
         return max(sum(parts.values()) for parts in self.passes.values())
@@ -139,12 +142,62 @@ def _available(cfg: MasterConfig, on_gpu: bool) -> int | None:
     return cpu_available_bytes()
 
 
-def pass_tokens(cfg: MasterConfig, pass_: Pass) -> int:
-    """Tokens of a ``pass_`` micro-batch: the packing/dynamic budget, else rows x sequence budget."""
-    budget = micro_batch_tokens(cfg.policy, pass_)
+def pass_tokens(cfg: MasterConfig, pass_: Pass, algorithm: Algorithm = "grpo") -> int:
+    """Tokens of a ``pass_`` micro-batch: the packing/dynamic budget (set, or ``default_budget``), else
+    rows x sequence budget."""
+    budget = default_budget(cfg, pass_, algorithm) or micro_batch_tokens(cfg.policy, pass_)
     if budget is not None:
         return budget
     return micro_batch_rows(cfg.policy, pass_) * cfg.policy.max_total_sequence_length
+
+
+def check_enabled() -> bool:
+    """False when ``RLFLEET_MEMORY_CHECK`` is off: no refusal, and budgets default as the recipe says."""
+    return os.environ.get(SKIP_ENV, "").lower() not in ("0", "off", "false", "no")
+
+
+def parameter_counts(cfg: MasterConfig) -> tuple[int, int]:
+    """``(parameters, trainable parameters)`` of ``policy.architecture`` (LoRA: the adapters)."""
+    arch = cfg.policy.architecture
+    assert arch is not None
+    parameters = count_parameters(arch)
+    try:
+        trainable = count_lora_parameters(cfg) if cfg.policy.dtensor_cfg.lora_cfg.enabled else parameters
+    except ValueError:  # LoraTargetError: reported by the config checks
+        trainable = parameters
+    return parameters, trainable
+
+
+def fitted_budgets(cfg: MasterConfig, algorithm: Algorithm = "grpo") -> dict[str, int]:
+    """``default_budget`` of each pass where it applies."""
+    passes: tuple[Pass, ...] = ("train",) if algorithm == "sft" else ("train", "logprob")
+    found = {pass_: default_budget(cfg, pass_, algorithm) for pass_ in passes}
+    return {pass_: n for pass_, n in found.items() if n is not None}
+
+
+def default_budget(cfg: MasterConfig, pass_: Pass, algorithm: Algorithm = "grpo") -> int | None:
+    """The ``pass_`` token budget of packing or dynamic batching enabled without one: the largest that
+    fits this machine with ``BUDGET_HEADROOM`` (``largest_fitting_tokens``), at most the tokens of a rank's
+    whole share of the batch. None where the recipe's own default stands (``max_total_sequence_length x``
+    the rows): a budget set, neither enabled, no ``policy.architecture``, a run that trains elsewhere, the
+    check off, or not even one sequence fitting (the run is then refused with the estimate)."""
+    p = cfg.policy
+    section = next((s for s in (p.sequence_packing, p.dynamic_batching) if s.enabled), None)
+    if section is None or p.architecture is None or not check_enabled() or not trains_here(cfg):
+        return None
+    if (section.train_mb_tokens if pass_ == "train" else section.logprob_mb_tokens) is not None:
+        return None
+    layout = resource_layout(cfg)
+    best = largest_fitting_tokens(cfg, layout, *parameter_counts(cfg), pass_, algorithm)
+    if best is None or best < p.max_total_sequence_length:
+        return None
+    rows = (
+        p.train_global_batch_size
+        if pass_ == "train"
+        else cfg.grpo.num_prompts_per_step * (cfg.grpo.num_generations_per_prompt)
+    )
+    whole_share = -(-rows // layout.train_world) * p.max_total_sequence_length
+    return min(best, max(whole_share, p.max_total_sequence_length))
 
 
 def model_state(
@@ -213,19 +266,31 @@ def memory_plan(
     *,
     tokens: dict[str, int] | None = None,
     algorithm: Algorithm = "grpo",
+    allocator: str | None = None,
 ) -> MemoryPlan:
     """The estimate for ``cfg`` running ``algorithm`` on this machine (``tokens`` overrides each pass's
-    micro-batch tokens; SFT has no logprob pass)."""
+    micro-batch tokens; SFT has no logprob pass) with this process's ``malloc`` (or ``allocator``:
+    ``glibc`` or ``jemalloc``; the ``rlfleet`` command line runs on jemalloc where it is installed)."""
     on_gpu = trains_on_gpu(cfg)
+    allocator = allocator or running_allocator()
     arch = cfg.policy.architecture
     assert arch is not None, "memory_plan needs policy.architecture"
     state = model_state(cfg, layout, parameters, trainable, algorithm)
-    sizes = {pass_: (tokens or {}).get(pass_) or pass_tokens(cfg, pass_) for pass_ in ("logprob", "train")}
+    sizes = {
+        pass_: (tokens or {}).get(pass_) or pass_tokens(cfg, pass_, algorithm)
+        for pass_ in ("logprob", "train")
+    }
     passes = {
         "logprob": logprob_peak(
             arch, state, _shape(cfg, layout, "logprob", sizes["logprob"]), cpu=not on_gpu
         ),
-        "train": train_peak(arch, state, _shape(cfg, layout, "train", sizes["train"]), cpu=not on_gpu),
+        "train": train_peak(
+            arch,
+            state,
+            _shape(cfg, layout, "train", sizes["train"]),
+            cpu=not on_gpu,
+            allocator=allocator,
+        ),
     }
     if algorithm == "sft":
         del passes["logprob"], sizes["logprob"]
@@ -236,6 +301,7 @@ def memory_plan(
         ranks_here=1 if on_gpu else layout.train_world,
         generation=_generation(cfg, layout, parameters, on_gpu),
         available=_available(cfg, on_gpu),
+        allocator=allocator,
     )
 
 
@@ -247,13 +313,16 @@ def largest_fitting_tokens(
     pass_: Pass,
     algorithm: Algorithm = "grpo",
 ) -> int | None:
-    """The largest ``pass_`` micro-batch token budget (a multiple of 256) whose whole estimate stays within
-    ``BUDGET_HEADROOM`` of the available memory, or None when not even 256 tokens fit or nothing is
-    known of the machine."""
+    """The largest ``pass_`` micro-batch token budget (a multiple of 256) with which that pass's ranks and
+    generation stay within ``BUDGET_HEADROOM`` of the available memory, or None when not even 256 tokens
+    fit or nothing is known of the machine."""
 
     def fits(n: int) -> bool:
-        plan = memory_plan(cfg, layout, parameters, trainable, tokens={pass_: n}, algorithm=algorithm)
-        return plan.available is not None and plan.total() <= BUDGET_HEADROOM * plan.available
+        plan = memory_plan(
+            cfg, layout, parameters, trainable, tokens={"train": n, "logprob": n}, algorithm=algorithm
+        )
+        peak = plan.ranks_here * sum(plan.passes[pass_].values()) + sum(plan.generation.values())
+        return plan.available is not None and peak <= BUDGET_HEADROOM * plan.available
 
     if not fits(256):
         return None
@@ -281,7 +350,7 @@ def _fixes(
     passes: tuple[tuple[Pass, str], ...] = (("train", "train_mb_tokens"), ("logprob", "logprob_mb_tokens"))
     for pass_, key in passes[: 1 if algorithm == "sft" else 2]:
         best = largest_fitting_tokens(cfg, layout, parameters, trainable, pass_, algorithm)
-        if best is not None and best < pass_tokens(cfg, pass_):
+        if best is not None and best < pass_tokens(cfg, pass_, algorithm):
             if section is not None:
                 fixes.append(f"policy.{section}.{key}={best}")
             else:
@@ -299,15 +368,10 @@ def memory_problems(
 ) -> list[str]:
     """One line per way ``cfg``'s estimated peak exceeds this machine's memory (none when the recipe has
     no ``policy.architecture`` or the machine's memory cannot be known here)."""
-    arch = cfg.policy.architecture
-    if arch is None or os.environ.get(SKIP_ENV, "").lower() in ("0", "off", "false", "no"):
+    if cfg.policy.architecture is None or not check_enabled():
         return []
     layout = layout if layout is not None else resource_layout(cfg)
-    parameters = count_parameters(arch)
-    try:
-        trainable = count_lora_parameters(cfg) if cfg.policy.dtensor_cfg.lora_cfg.enabled else parameters
-    except ValueError:  # LoraTargetError: reported by the config checks
-        trainable = parameters
+    parameters, trainable = parameter_counts(cfg)
     plan = memory_plan(cfg, layout, parameters, trainable, algorithm=algorithm)
     if plan.available is None or plan.total() <= plan.available:
         return []

@@ -25,6 +25,7 @@ from rlfleet.memory_plan import (
     BYTES,
     count_lora_parameters,
     count_parameters,
+    fitted_budgets,
     largest_fitting_tokens,
     memory_plan,
     memory_problems,
@@ -147,7 +148,7 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
             "sequence budget",
             f"{p.max_total_sequence_length} tokens, max_new_tokens {p.generation.max_new_tokens}",
         ),
-        *describe_algorithm(cfg),
+        *describe_algorithm(cfg, fitted_budgets(cfg)),
     ]
 
 
@@ -191,6 +192,8 @@ def _memory_lines(cfg: MasterConfig, plan: Plan) -> list[str]:
         f"activation checkpointing {'on' if p.dtensor_cfg.activation_checkpointing else 'off'}",
         f"logprobs in chunks of {p.logprob_chunk_size}" if p.logprob_chunk_size else "whole logits",
     ]
+    if not mem.on_gpu:
+        knobs.append(f"{mem.allocator} malloc")
     lines.append(f"    {'':<22}{'; '.join(knobs)}")
     if mem.generation:
         detail = ", ".join(f"{k} {v / GIB:.2f}" for k, v in mem.generation.items())

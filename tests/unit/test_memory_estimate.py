@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from rlfleet.algorithms.builders import micro_batching
 from rlfleet.cli import main
 from rlfleet.config import load_recipe, resolve_recipe_path
 from rlfleet.config.layout import resource_layout
@@ -26,7 +27,13 @@ from rlfleet.memory_estimate import (
     logprob_peak,
     train_peak,
 )
-from rlfleet.memory_plan import count_parameters, largest_fitting_tokens, memory_plan, memory_problems
+from rlfleet.memory_plan import (
+    count_parameters,
+    fitted_budgets,
+    largest_fitting_tokens,
+    memory_plan,
+    memory_problems,
+)
 from rlfleet.models.loading import ModelSource
 from rlfleet.models.tiny import TinyModelSpec, create_tiny_model
 from rlfleet.policy.batch import collate
@@ -157,6 +164,9 @@ OOM_LAYOUT = [  # issue 20: OOM-killed at 21 GB resident on a 24 GB machine
     "policy.train_micro_batch_size=16",
     "policy.logprob_batch_size=32",
     "policy.precision=bfloat16",
+    # the budgets it had then (rows x sequence budget); unset, they are now sized to the machine
+    "policy.sequence_packing.train_mb_tokens=10240",
+    "policy.sequence_packing.logprob_mb_tokens=20480",
 ]
 
 
@@ -169,6 +179,7 @@ def _machine(monkeypatch: pytest.MonkeyPatch, gib: float) -> None:
     monkeypatch.delenv("RLFLEET_MEMORY_CHECK", raising=False)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.setattr("rlfleet.memory_plan.cpu_available_bytes", lambda: int(gib * GIB))
+    monkeypatch.setattr("rlfleet.memory_plan.running_allocator", lambda: "glibc")
 
 
 def test_the_layout_the_oom_killer_ended_is_refused_with_the_estimate_and_a_fix(
@@ -201,9 +212,54 @@ def test_the_suggested_fixes_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     best = largest_fitting_tokens(cfg, layout, n, n, "train")
     assert best is not None and best % 256 == 0
     available = 22.8 * GIB
-    assert memory_plan(cfg, layout, n, n, tokens={"train": best}).total() <= 0.7 * available
-    assert memory_plan(cfg, layout, n, n, tokens={"train": best + 256}).total() > 0.7 * available
-    assert memory_problems(_cfg(*OOM_LAYOUT, f"policy.sequence_packing.train_mb_tokens={best}")) == []
+
+    def train_total(tokens: int) -> float:
+        plan = memory_plan(cfg, layout, n, n, tokens={"train": tokens, "logprob": 256})
+        return sum(plan.passes["train"].values()) + sum(plan.generation.values())
+
+    assert train_total(best) <= 0.7 * available < train_total(best + 256)
+    fixed = _cfg(
+        *OOM_LAYOUT,
+        f"policy.sequence_packing.train_mb_tokens={best}",
+        f"policy.sequence_packing.logprob_mb_tokens={largest_fitting_tokens(cfg, layout, n, n, 'logprob')}",
+    )
+    assert memory_problems(fixed) == []
+
+
+def test_an_unset_budget_is_the_largest_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packing (or dynamic batching) without a token budget: the largest that fits with 30% headroom,
+    at most a rank's whole share of the batch, instead of rows x sequence budget; so the layout the OOM
+    killer ended now runs within its estimate. A budget set, the check off, or a run elsewhere: the
+    recipe's own default."""
+    _machine(monkeypatch, 22.8)
+    unset = OOM_LAYOUT[:-2]
+    cfg = _cfg(*unset)
+    layout, n = resource_layout(cfg), count_parameters(cfg.policy.architecture)
+    train = largest_fitting_tokens(cfg, layout, n, n, "train")
+    assert train is not None and 640 <= train < 10240
+    assert fitted_budgets(cfg) == {"train": train, "logprob": 10240}  # 16 rows x 640: all of them fit
+    assert micro_batching(cfg, "train").tokens == train and micro_batching(cfg, "logprob").tokens == 10240
+    assert memory_problems(cfg) == []
+    assert memory_plan(cfg, layout, n, n).tokens == {"train": train, "logprob": 10240}
+    assert fitted_budgets(_cfg(*unset, "policy.sequence_packing.train_mb_tokens=2048")) == {"logprob": 10240}
+    monkeypatch.setenv("RLFLEET_MEMORY_CHECK", "off")
+    assert fitted_budgets(cfg) == {} and micro_batching(cfg, "train").tokens == 16 * 640
+    monkeypatch.delenv("RLFLEET_MEMORY_CHECK")
+    assert fitted_budgets(_cfg(*unset, "cluster.num_nodes=2")) == {}
+    _machine(monkeypatch, 4.0)  # not one sequence fits: the recipe's default, and the refusal
+    assert fitted_budgets(cfg) == {} and memory_problems(cfg)
+
+
+def test_jemalloc_keeps_no_heap_retention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What glibc's heap keeps of a backward is a glibc term: jemalloc, as rlfleet runs a training process,
+    reuses it (benchmarks/memory.py measures both)."""
+    _machine(monkeypatch, 22.8)
+    cfg = _cfg(*OOM_LAYOUT)
+    layout, n = resource_layout(cfg), count_parameters(cfg.policy.architecture)
+    glibc = memory_plan(cfg, layout, n, n, allocator="glibc").passes["train"]
+    jemalloc = memory_plan(cfg, layout, n, n, allocator="jemalloc").passes["train"]
+    assert glibc["heap retention"] > 1 * GIB and "heap retention" not in jemalloc
+    assert {k: v for k, v in glibc.items() if k != "heap retention"} == jemalloc
 
 
 def test_nothing_is_compared_where_the_run_does_not_train_here(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,7 @@ from rlfleet.algorithms.overlong import OverlongShaping
 from rlfleet.config import MasterConfig
 from rlfleet.config.batching import Pass, micro_batch_rows, micro_batch_tokens
 from rlfleet.config.capabilities import uses_ray
+from rlfleet.config.checks import Algorithm
 from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.resolved import generation_backend, policy_precision, truncation_type
 from rlfleet.data import (
@@ -37,6 +38,7 @@ from rlfleet.generation import (
     VLLMGenerationBackend,
     VLLMSettings,
 )
+from rlfleet.memory_plan import default_budget
 from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import lora_settings
 from rlfleet.policy.interface import Policy
@@ -248,15 +250,27 @@ def load_prompts(
     return TaskData(train=train, val=val, dropped=dropped_train + dropped_val)
 
 
-def micro_batching(cfg: MasterConfig, pass_: Pass) -> MicroBatching:
+def micro_batching(cfg: MasterConfig, pass_: Pass, algorithm: Algorithm = "grpo") -> MicroBatching:
     """How ``pass_`` (training or logprobs) splits its rows: ``policy.sequence_packing``,
-    ``policy.dynamic_batching`` (token budgets) or fixed rows (``train_micro_batch_size`` /
+    ``policy.dynamic_batching`` (token budgets; unset, the largest that fits this machine:
+    ``rlfleet.memory_plan.default_budget``) or fixed rows (``train_micro_batch_size`` /
     ``logprob_batch_size``)."""
     policy = cfg.policy
     rows, tokens = micro_batch_rows(policy, pass_), micro_batch_tokens(policy, pass_)
     chunk = policy.logprob_chunk_size
     if tokens is None:
         return MicroBatching(rows, logprob_chunk=chunk)
+    fitting = default_budget(cfg, pass_, algorithm)
+    if fitting is not None:
+        section = "sequence_packing" if policy.sequence_packing.enabled else "dynamic_batching"
+        log.info(
+            "policy.%s.%s_mb_tokens=%d: the largest that fits this machine's memory with headroom "
+            "(rlfleet plan; set it to fix it)",
+            section,
+            pass_,
+            fitting,
+        )
+        tokens = fitting
     if policy.sequence_packing.enabled:
         return MicroBatching(
             rows, tokens, pack=True, algorithm=policy.sequence_packing.algorithm, logprob_chunk=chunk

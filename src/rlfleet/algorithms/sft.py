@@ -54,7 +54,7 @@ class SFT:
         ensure_fits(cfg, layout, "sft")  # before any model is loaded
         self.cfg, sft = cfg, cfg.sft
         self.loss_fn = NLLLossFn(token_level=cfg.loss_fn.token_level_loss)
-        self.train_batching = micro_batching(cfg, "train")  # rows, dynamic batching or packing
+        self.train_batching = micro_batching(cfg, "train", "sft")  # rows, dynamic batching or packing
         self.ctx, self.backend, self.data = start_run(
             cfg,
             layout,

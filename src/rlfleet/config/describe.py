@@ -4,6 +4,8 @@ before anything runs."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from rlfleet.config.batching import micro_batch_tokens
 from rlfleet.config.resolved import generation_backend, policy_precision, truncation_type
 from rlfleet.config.schema import MasterConfig
@@ -110,13 +112,17 @@ def _precision(cfg: MasterConfig) -> str:
     return f"{resolved.name} compute, float32 master weights and AdamW state ({resolved.reason})"
 
 
-def _batching(cfg: MasterConfig) -> str:
+def _batching(cfg: MasterConfig, fitted: Mapping[str, int]) -> str:
     p = cfg.policy
-    train, logprob = micro_batch_tokens(p, "train"), micro_batch_tokens(p, "logprob")
-    if p.sequence_packing.enabled:
-        how = f"packed sequences, up to {train:,} tokens per training pass and {logprob:,} per logprob pass"
-    elif p.dynamic_batching.enabled:
-        how = f"dynamic batching, up to {train:,} tokens per training pass and {logprob:,} per logprob pass"
+    if p.sequence_packing.enabled or p.dynamic_batching.enabled:
+        train, logprob = (fitted.get(x) or micro_batch_tokens(p, x) or 0 for x in ("train", "logprob"))
+        how = (
+            f"{'packed sequences' if p.sequence_packing.enabled else 'dynamic batching'}, up to {train:,} "
+            f"tokens per training pass and {logprob:,} per logprob pass"
+        )
+        if fitted:
+            named = " and ".join(f"{pass_}_mb_tokens" for pass_ in fitted)
+            how += f" ({named}: the largest that fits this machine's memory)"
     else:
         rows = f"{p.train_micro_batch_size} rows (training), {p.logprob_batch_size} (logprobs)"
         how = f"padded micro-batches of {rows}"
@@ -133,9 +139,10 @@ def _generation(cfg: MasterConfig) -> str:
     return name if backend.reason == "set by the recipe" else f"{name} ({backend.reason})"
 
 
-def describe_algorithm(cfg: MasterConfig) -> list[tuple[str, str]]:
+def describe_algorithm(cfg: MasterConfig, fitted: Mapping[str, int] | None = None) -> list[tuple[str, str]]:
     """``(label, text)`` rows: the GRPO objective, the importance-sampling correction, the sampling, whether
-    generation overlaps training, the rollouts and the compute dtype."""
+    generation overlaps training, the rollouts, the compute dtype and the micro-batches (``fitted``: the
+    token budgets sized to this machine, ``rlfleet.memory_plan.default_budget``, by pass)."""
     return [
         ("loss", _loss(cfg)),
         ("IS correction", _importance_sampling(cfg)),
@@ -144,5 +151,5 @@ def describe_algorithm(cfg: MasterConfig) -> list[tuple[str, str]]:
         ("rollouts", _rollouts(cfg)),
         ("precision", _precision(cfg)),
         ("generation", _generation(cfg)),
-        ("micro-batches", _batching(cfg)),
+        ("micro-batches", _batching(cfg, fitted or {})),
     ]
