@@ -10,6 +10,7 @@ is the libraries' bounded cache, not rlfleet's growth.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.logging import read_metrics
+from rlfleet.utils.allocator import ENV, find_jemalloc
 from tests.conftest import small_grpo_overrides
 
 pytestmark = pytest.mark.slow
@@ -25,7 +27,12 @@ STEPS = 30
 WARM_UP = 5  # steps before memory is compared: the first passes allocate the optimizer state and caches
 
 
-def test_resident_memory_is_flat_after_warm_up(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "allocator", ["jemalloc", "glibc"]
+)  # rlfleet's default where installed; the fallback
+def test_resident_memory_is_flat_after_warm_up(tiny_model_dir: Path, tmp_path: Path, allocator: str) -> None:
+    if allocator == "jemalloc" and find_jemalloc() is None:
+        pytest.skip("no jemalloc installed here")
     overrides = [
         *small_grpo_overrides(tiny_model_dir, tmp_path),
         f"grpo.max_num_steps={STEPS}",
@@ -38,7 +45,8 @@ def test_resident_memory_is_flat_after_warm_up(tiny_model_dir: Path, tmp_path: P
         "policy.sequence_packing.enabled=true",  # a packed micro-batch of a new size every step
     ]
     cmd = [sys.executable, "-m", "rlfleet.cli", "grpo", "grpo-tiny-arithmetic-cpu", *overrides]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=900)
+    env = {**os.environ, ENV: allocator}
+    subprocess.run(cmd, check=True, capture_output=True, timeout=900, env=env)
     rss = [
         r["memory/trainer_rss_gib"] * 1024
         for r in read_metrics(tmp_path / "logs")
