@@ -384,7 +384,8 @@ def memory_problems(
     fixes = _fixes(cfg, layout, parameters, trainable, algorithm)
     return [
         f"memory: the estimated peak, {_gib(plan.total())}, exceeds {round(100 * REFUSAL_SHARE)}% of the "
-        f"{_gib(plan.available)} available on {where} ({worst} pass of {plan.tokens[worst]:,} tokens per micro-batch: {parts}"
+        f"{_gib(plan.available)} available on {where} ({worst} pass of {plan.tokens[worst]:,} tokens per "
+        f"micro-batch: {parts}"
         + (f"; x {plan.ranks_here} ranks" if plan.ranks_here > 1 else "")
         + (f"; generation {_gib(sum(plan.generation.values()))}" if plan.generation else "")
         + f"); fix: {' and/or '.join(fixes)} (or {SKIP_ENV}=off to try anyway)"
