@@ -205,7 +205,9 @@ def test_the_recipe_key_reaches_both_passes() -> None:
         assert micro_batching(cfg, "train").logprob_chunk == 512
         assert micro_batching(cfg, "logprobs").logprob_chunk == 512
         assert "in chunks of 512 tokens" in dict(describe_algorithm(cfg))["micro-batches"]
-    cfg = load_recipe(resolve_recipe_path("grpo-smollm2-135m-arithmetic-cpu"))
+    cfg = load_recipe(
+        resolve_recipe_path("grpo-smollm2-135m-arithmetic-cpu"), ["policy.logprob_chunk_size=null"]
+    )
     assert micro_batching(cfg, "train").logprob_chunk is None
     with pytest.raises(ValueError, match="positive"):
         MicroBatching(rows=2, logprob_chunk=0)

@@ -155,4 +155,7 @@ def test_plan_says_how_the_passes_batch_and_that_flat_rows_are_skipped() -> None
             recipe("policy.sequence_packing.enabled=false", "loss_fn.reference_policy_kl_penalty=0.01")
         )
     )["micro-batches"]
-    assert padded == "padded micro-batches of 4 rows (training), 8 (logprobs)"
+    assert padded == (
+        "padded micro-batches of 4 rows (training), 8 (logprobs); logprobs from hidden states in chunks of "
+        "512 tokens (no full logits)"
+    )

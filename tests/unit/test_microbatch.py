@@ -11,13 +11,11 @@ from rlfleet.config import ConfigError, MasterConfig, check_config
 from rlfleet.policy.batch import collate
 from rlfleet.policy.logprobs import pack_rows
 from rlfleet.policy.microbatch import (
-    PACKED_ROW_ROUND,
     MicroBatching,
     concatenative,
     dynamic_batches,
     first_fit_decreasing,
     modified_first_fit_decreasing,
-    packed_width,
     padding_fraction,
     plan_micro_batches,
     split_to_count,
@@ -123,29 +121,6 @@ def test_pack_rows_restarts_positions_per_sequence() -> None:
     assert torch.equal(batch.input_ids[rows, cols], packed[0])
 
 
-def test_a_packed_row_is_padded_by_a_sequence_of_its_own_within_its_budget() -> None:
-    """Rounding a packed row's width (so its shapes repeat from step to step) appends one sequence of
-    token 0 whose positions restart at 0; the real tokens and their indices are unchanged."""
-    batch = collate([[5, 6], [7], [8, 9, 10]], [[11], [12, 13], [14]], pad_token_id=0)
-    packed, positions, rows, cols = pack_rows(batch.input_ids, batch.attention_mask, width=16)
-    assert packed.tolist() == [[5, 6, 11, 7, 12, 13, 8, 9, 10, 14, *[0] * 6]]
-    assert positions.tolist() == [[0, 1, 2, 0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5]]
-    assert len(rows) == len(cols) == 10 and torch.equal(batch.input_ids[rows, cols], packed[0, :10])
-    rounded = MicroBatching(rows=3, tokens=40, pack=True, round_to=16)
-    assert [packed_width(n, rounded) for n in (10, 16, 17, 33, 40)] == [16, 16, 32, 40, 40]
-    over = MicroBatching(rows=1, tokens=20, pack=True, round_to=16)  # one sequence longer than the budget
-    assert packed_width(25, over) == 25
-    assert packed_width(10, MicroBatching(rows=3, tokens=40, pack=True)) == 10  # no rounding asked
-    # long rows: a multiple of 1/32 to 1/64 of the row, so widths repeat (SmolLM2's whole-step rows)
-    big = MicroBatching(rows=64, tokens=24576, pack=True, round_to=PACKED_ROW_ROUND)
-    widths = {packed_width(n, big) for n in range(12000, 16000)}
-    assert widths == set(range(12032, 16384, 256))
-    assert all(n <= packed_width(n, big) < n * (1 + 1 / 32) for n in range(512, 24000, 7))
-    lengths = [8, 2, 8, 3]  # 21 real tokens in one row of 32
-    plan = plan_micro_batches(lengths, rounded)[0]
-    assert padding_fraction(lengths, plan, rounded) == pytest.approx(1 - 21 / 32)
-
-
 def test_take_gathers_rows_in_any_order_and_trims_padding() -> None:
     batch = collate([[5, 6], [7], [8, 9, 10]], [[11], [12, 13], [14]], pad_token_id=0)
     sub = batch.take([1, 0])
@@ -167,9 +142,8 @@ def _cfg(*overrides: str) -> MasterConfig:
 def test_micro_batching_from_config_and_its_defaults() -> None:
     assert micro_batching(_cfg(), "train") == MicroBatching(rows=8)
     packed = _cfg("sequence_packing.enabled=true", "sequence_packing.logprob_mb_tokens=300")
-    round_to = PACKED_ROW_ROUND
-    assert micro_batching(packed, "train") == MicroBatching(8, 128 * 8, pack=True, round_to=round_to)
-    assert micro_batching(packed, "logprob") == MicroBatching(16, 300, pack=True, round_to=round_to)
+    assert micro_batching(packed, "train") == MicroBatching(rows=8, tokens=128 * 8, pack=True)
+    assert micro_batching(packed, "logprob") == MicroBatching(rows=16, tokens=300, pack=True)
     dyn = _cfg("dynamic_batching.enabled=true", "dynamic_batching.sequence_length_round=32")
     assert micro_batching(dyn, "logprob") == MicroBatching(rows=16, tokens=128 * 16, round_to=32)
 

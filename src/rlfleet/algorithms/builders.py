@@ -43,7 +43,7 @@ from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import lora_settings
 from rlfleet.policy.interface import Policy
 from rlfleet.policy.loss_functions import ClippedPGLossFn
-from rlfleet.policy.microbatch import PACKED_ROW_ROUND, MicroBatching
+from rlfleet.policy.microbatch import MicroBatching
 from rlfleet.policy.schedule import LrSchedule
 from rlfleet.policy.sharded_worker import ShardingSettings
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
@@ -273,12 +273,7 @@ def micro_batching(cfg: MasterConfig, pass_: Pass, algorithm: Algorithm = "grpo"
         tokens = fitting
     if policy.sequence_packing.enabled:
         return MicroBatching(
-            rows,
-            tokens,
-            pack=True,
-            round_to=PACKED_ROW_ROUND,
-            algorithm=policy.sequence_packing.algorithm,
-            logprob_chunk=chunk,
+            rows, tokens, pack=True, algorithm=policy.sequence_packing.algorithm, logprob_chunk=chunk
         )
     return MicroBatching(
         rows, tokens, round_to=policy.dynamic_batching.sequence_length_round, logprob_chunk=chunk

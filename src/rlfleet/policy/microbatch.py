@@ -30,13 +30,6 @@ from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.loss import Normalizer
 from rlfleet.utils.intmath import round_up
 
-# packed rows are padded to a width from a short list (``packed_width``) so that their shapes repeat from
-# step to step: oneDNN's and ideep's CPU kernel caches keep a compiled kernel per new matmul shape, and a
-# row of a new length every step grew SmolLM2's trainer by about 22 MB a step (issue 20). The padding is a
-# sequence of its own (no real token attends to it): at most 1/32 of a row of 512 tokens or more, under 16
-# tokens on a shorter one.
-PACKED_ROW_ROUND = 16
-
 PackingAlgorithm = Literal["first_fit_decreasing", "modified_first_fit_decreasing", "concatenative"]
 
 
@@ -49,8 +42,7 @@ class MicroBatching:
             ``policy.logprob_batch_size``).
         tokens: Token budget of a micro-batch (padding included), or None for fixed rows.
         pack: Concatenate the rows of a micro-batch into one packed row (needs ``tokens``).
-        round_to: Dynamic batching pads each micro-batch to its longest row rounded up to a multiple of this;
-            packing pads each packed row to a multiple of it, within ``tokens``.
+        round_to: Dynamic batching pads each micro-batch to its longest row rounded up to a multiple of this.
         algorithm: How rows are bin-packed when ``pack``.
         logprob_chunk: Tokens per chunk of the logprob computation from the final hidden states (no
             ``[tokens x vocabulary]`` logits; ``policy.logprob_chunk_size``), or None for whole logits.
@@ -288,21 +280,9 @@ def padding_metrics(
     return out
 
 
-def packed_width(real_tokens: int, batching: MicroBatching) -> int:
-    """The width a packed row of ``real_tokens`` runs at: with ``batching.round_to > 1``, rounded up to a
-    multiple of the larger of ``round_to`` and 1/32 to 1/64 of the row (the power of two at or below
-    ``real_tokens / 32``), so that widths fall on a short list (32 to 64 per doubling) at a cost of at most
-    1/32 of a row of ``32 x round_to`` tokens or more; never past its budget (unless its real tokens
-    already are)."""
-    if batching.round_to <= 1:
-        return real_tokens
-    step = max(batching.round_to, 1 << max(real_tokens.bit_length() - 6, 0))
-    return min(round_up(real_tokens, step), max(real_tokens, batching.tokens or real_tokens))
-
-
 def _slots(lengths: Sequence[int], batching: MicroBatching) -> int:
     if batching.pack:
-        return packed_width(sum(lengths), batching)
+        return sum(lengths)
     return len(lengths) * round_up(max(lengths), batching.round_to if batching.tokens is not None else 1)
 
 
