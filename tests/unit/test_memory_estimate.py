@@ -164,6 +164,8 @@ OOM_LAYOUT = [  # issue 20: OOM-killed at 21 GB resident on a 24 GB machine
     "policy.train_micro_batch_size=16",
     "policy.logprob_batch_size=32",
     "policy.precision=bfloat16",
+    "policy.dtensor_cfg.activation_checkpointing=false",  # as the recipe had then (now on)
+    "policy.logprob_chunk_size=null",
     # the budgets it had then (rows x sequence budget); unset, they are now sized to the machine
     "policy.sequence_packing.train_mb_tokens=10240",
     "policy.sequence_packing.logprob_mb_tokens=20480",
