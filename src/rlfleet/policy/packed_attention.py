@@ -13,14 +13,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from rlfleet.utils.intmath import round_up
 
 if TYPE_CHECKING:
     from rlfleet.models.lora import WithoutAdapters
 
 NAME = "sdpa_packed"
+# Each sequence's attention runs padded at its end to a multiple of this many tokens. Causal attention
+# makes the padding invisible to the real tokens (no query attends to a later key, and the padded queries'
+# outputs are dropped, so no gradient flows from them), while the CPU kernels see a short list of lengths:
+# PyTorch keeps one compiled brgemm kernel per attention shape for the life of the process (an unbounded
+# cache) and oneDNN one matmul primitive per backward shape, so a new length per sequence grew the trainer
+# step after step (issue 20, measured in benchmarks/memory.py --shapes).
+SEQUENCE_ROUND = 32
 
 
 def sequence_bounds(position_ids: torch.Tensor | None, length: int) -> list[tuple[int, int]] | None:
@@ -52,20 +62,12 @@ def sdpa_packed_attention(
             module, query, key, value, attention_mask, dropout, scaling, position_ids=position_ids, **kwargs
         )
     kwargs.pop("is_causal", None)
-    parts = [
-        sdpa_attention_forward(
-            module,
-            query[:, :, a:b],
-            key[:, :, a:b],
-            value[:, :, a:b],
-            None,
-            dropout,
-            scaling,
-            is_causal=True,
-            **kwargs,
-        )[0]
-        for a, b in bounds
-    ]
+    parts = []
+    for a, b in bounds:
+        pad = (0, 0, 0, round_up(b - a, SEQUENCE_ROUND) - (b - a))  # zeros after the sequence's last token
+        q, k, v = (F.pad(t[:, :, a:b], pad) for t in (query, key, value))
+        out = sdpa_attention_forward(module, q, k, v, None, dropout, scaling, is_causal=True, **kwargs)[0]
+        parts.append(out[:, : b - a])  # [1, l, H, D]
     return torch.cat(parts, dim=1), None
 
 
