@@ -29,7 +29,7 @@ NAME = "sdpa_packed"
 # outputs are dropped, so no gradient flows from them), while the CPU kernels see a short list of lengths:
 # PyTorch keeps one compiled brgemm kernel per attention shape for the life of the process (an unbounded
 # cache) and oneDNN one matmul primitive per backward shape, so a new length per sequence grew the trainer
-# step after step (issue 20, measured in benchmarks/memory.py --shapes).
+# step after step (issue 20: the README's memory section has the measurement).
 SEQUENCE_ROUND = 32
 
 
