@@ -159,7 +159,8 @@ def test_a_packed_training_step_equals_the_padded_one(tiny_model_dir: Path) -> N
     got = packed.train(batch, loss_fn, global_batch_size=4, micro_batching=LAYOUTS["packed"])
     for key in ("loss", "kl", "ratio", "grad_norm"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
-    assert got["padding_fraction"] == 0.0 < got["padding_fraction_fixed_rows"]
+    # a packed row's only padding is up to its width on the list (packed_width): under 1/16
+    assert 0 <= got["padding_fraction"] < 1 / 16 < got["padding_fraction_fixed_rows"]
     assert want["padding_fraction"] == pytest.approx(want["padding_fraction_fixed_rows"])
     # AdamW's first step moves a weight by lr * g / (|g| + eps): float32 rounding of gradients near eps
     # shows up at a few 1e-6 (lr 1e-3); the gradients themselves agree to 1e-6 (test above).
@@ -210,7 +211,7 @@ def test_two_rank_packed_step_equals_one_padded_process(
         torch.testing.assert_close(lp, want_lp, rtol=0, atol=1e-5)
     for key in ("loss", "kl", "ratio", "grad_norm"):
         assert metrics[0][key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
-    assert metrics[0]["padding_fraction"] == 0.0
+    assert metrics[0]["padding_fraction"] < 1 / 16
     for name, p in single.model.named_parameters():  # AdamW's first step: see the one-process test
         torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=2e-5, msg=name)
 
@@ -261,7 +262,7 @@ def test_grpo_step_with_packing_or_dynamic_batching_equals_the_padded_one(
         assert got["train/padding_fraction_fixed_rows"] == want["train/padding_fraction_fixed_rows"]
         for key, value in want_params.items():
             torch.testing.assert_close(params[key], value, rtol=0, atol=2e-5, msg=f"{name} {key}")
-    assert results["packed"][0]["train/padding_fraction"] == 0.0
+    assert results["packed"][0]["train/padding_fraction"] < 1 / 16
     # dynamic batching pads each micro-batch to a multiple of sequence_length_round (16): more or less
     # padding than fixed rows, depending on the lengths; it is the layout's own share either way
     assert 0 < results["dynamic"][0]["train/padding_fraction"] < 1

@@ -16,6 +16,7 @@ from rlfleet.policy.microbatch import (
     dynamic_batches,
     first_fit_decreasing,
     modified_first_fit_decreasing,
+    packed_width,
     padding_fraction,
     plan_micro_batches,
     split_to_count,
@@ -110,6 +111,31 @@ def test_padding_fraction_per_layout() -> None:
     assert padding_fraction(lengths, plan_micro_batches(lengths, dyn)[0], dyn) == pytest.approx(1 - 21 / 22)
     packed = MicroBatching(rows=2, tokens=11, pack=True)
     assert padding_fraction(lengths, plan_micro_batches(lengths, packed)[0], packed) == 0.0
+    long = [40, 30]  # one packed row of 70 tokens runs at 72 (a multiple of 4 between 64 and 128)
+    packed = MicroBatching(rows=2, tokens=100, pack=True)
+    assert padding_fraction(long, plan_micro_batches(long, packed)[0], packed) == pytest.approx(1 - 70 / 72)
+
+
+def test_packed_width_is_on_a_short_list_within_a_sixteenth() -> None:
+    assert [packed_width(n, None) for n in (1, 17, 31, 32, 33, 63, 64, 65, 1000, 1025)] == [
+        1,
+        17,
+        31,
+        32,
+        34,
+        64,
+        64,
+        68,
+        1024,
+        1088,
+    ]
+    widths = {packed_width(n, None) for n in range(4097, 8193)}
+    assert len(widths) == 16 and widths == set(range(4096 + 256, 8192 + 1, 256))
+    for n in range(1, 20000, 7):
+        assert n <= packed_width(n, None) <= n * 17 / 16
+    assert packed_width(9000, 9100) == 9100  # never past the budget
+    assert packed_width(9200, 9100) == 9200  # unless the real tokens already are
+    assert packed_width(9000, None) == packed_width(9000, 20000) == 9216
 
 
 def test_pack_rows_restarts_positions_per_sequence() -> None:
@@ -119,6 +145,15 @@ def test_pack_rows_restarts_positions_per_sequence() -> None:
     assert positions.tolist() == [[0, 1, 2, 0, 1, 2, 0, 1, 2, 3]]
     assert rows.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
     assert torch.equal(batch.input_ids[rows, cols], packed[0])
+
+
+def test_pack_rows_pads_with_a_sequence_of_its_own() -> None:
+    batch = collate([[5, 6], [7]], [[11], [12, 13]], pad_token_id=0)
+    packed, positions, rows, cols = pack_rows(batch.input_ids, batch.attention_mask, width=9)
+    assert packed.tolist() == [[5, 6, 11, 7, 12, 13, 0, 0, 0]]
+    assert positions.tolist() == [[0, 1, 2, 0, 1, 2, 0, 1, 2]]  # the padding restarts at 0
+    assert len(rows) == len(cols) == 6
+    assert sequence_bounds(positions, 9) == [(0, 3), (3, 6), (6, 9)]
 
 
 def test_take_gathers_rows_in_any_order_and_trims_padding() -> None:

@@ -23,6 +23,7 @@ from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.microbatch import (
     MicroBatching,
     as_micro_batching,
+    packed_width,
     plan_micro_batches,
     row_lengths,
 )
@@ -154,18 +155,27 @@ def token_logprobs(
     return model_logprobs(model, input_ids, temperature, chunk, attention_mask=attention_mask)
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Concatenates the real tokens of right-padded rows into one row.
+def pack_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int | None = None
+) -> tuple[torch.Tensor, ...]:
+    """Concatenates the real tokens of right-padded rows into one row, padded to ``width`` tokens (at
+    least its ``L`` real ones) with one more sequence of token 0 whose positions restart at 0 like any other,
+    so that no real token attends to it.
 
     Returns:
-        ``(packed_ids [1, L], position_ids [1, L], rows [L], cols [L])``: ``position_ids`` restart at 0 at
-        each sequence; token ``k`` of the packed row came from ``input_ids[rows[k], cols[k]]``.
+        ``(packed_ids [1, W], position_ids [1, W], rows [L], cols [L])``: ``position_ids`` restart at 0 at
+        each sequence; token ``k < L`` of the packed row came from ``input_ids[rows[k], cols[k]]``.
     """
     lengths = attention_mask.sum(dim=1)
     rows = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
     starts = torch.cumsum(lengths, 0) - lengths
     cols = torch.arange(len(rows), device=rows.device) - starts[rows]
-    return input_ids[rows, cols].unsqueeze(0), cols.unsqueeze(0), rows, cols
+    packed, positions = input_ids[rows, cols], cols
+    pad = (width or 0) - len(rows)
+    if pad > 0:
+        packed = torch.cat([packed, packed.new_zeros(pad)])
+        positions = torch.cat([positions, torch.arange(pad, device=positions.device)])
+    return packed.unsqueeze(0), positions.unsqueeze(0), rows, cols
 
 
 def packed_token_logprobs(
@@ -174,8 +184,10 @@ def packed_token_logprobs(
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
     chunk: int | None = None,
+    budget: int | None = None,
 ) -> torch.Tensor:
-    """``token_logprobs`` of right-padded rows computed on one packed row, scattered back to ``[n, T]``.
+    """``token_logprobs`` of right-padded rows computed on one packed row, scattered back to ``[n, T]``; the
+    row runs at its ``packed_width`` within the token ``budget``.
 
     The model gets ``position_ids`` restarting at each sequence and no attention mask: transformers then
     builds a block-diagonal causal mask (SDPA / eager) or runs variable-length FlashAttention from the
@@ -190,9 +202,10 @@ def packed_token_logprobs(
             f"({', '.join(PACKED_ATTENTION)}); this model uses {attention!r}; fix: "
             "policy.sequence_packing.enabled=false (policy.dynamic_batching.enabled=true pads instead)"
         )
-    packed, positions, rows, cols = pack_rows(input_ids, attention_mask)
-    lp = model_logprobs(model, packed, temperature, chunk, position_ids=positions)  # [1, L]
-    picked = lp[0].masked_fill(cols == 0, 0.0)  # [L]
+    real = int(attention_mask.sum())
+    packed, positions, rows, cols = pack_rows(input_ids, attention_mask, packed_width(real, budget))
+    lp = model_logprobs(model, packed, temperature, chunk, position_ids=positions)  # [1, W]
+    picked = lp[0, :real].masked_fill(cols == 0, 0.0)  # [L]
     return picked.new_zeros(input_ids.shape).index_put((rows, cols), picked)
 
 
@@ -204,7 +217,9 @@ def forward_logprobs(
     positions hold 0 in every layout."""
     chunk = batching.logprob_chunk
     if batching.pack:
-        return packed_token_logprobs(model, mb.input_ids, mb.attention_mask, temperature, chunk)
+        return packed_token_logprobs(
+            model, mb.input_ids, mb.attention_mask, temperature, chunk, batching.tokens
+        )
     width = mb.input_ids.shape[1]
     target = round_up(width, batching.round_to) if batching.tokens is not None else width
     pad = (0, target - width)
