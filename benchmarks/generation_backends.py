@@ -77,6 +77,19 @@ def matmul_peak_flops(size: int = 1024, repeats: int = 10, dtype: torch.dtype = 
     return 2 * size**3 / best
 
 
+def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy (read + write) on this process's threads (best of ``repeats``)."""
+    src = torch.empty(megabytes * 2**20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() / best
+
+
 @dataclass
 class Run:
     name: str

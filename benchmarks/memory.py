@@ -10,12 +10,17 @@ estimate exceeds 75% of the available memory are not run (the run would refuse t
 killer). On a GPU, ``torch.cuda.max_memory_allocated`` replaces resident memory and no process or heap
 term is estimated.
 
+``--growth N`` runs N training passes on packed rows of varied sizes (as GRPO's steps are) in one process
+per ``--widths`` setting and prints resident memory after each: exact packed widths against widths on
+``rlfleet.policy.microbatch.packed_width``'s grid.
+
 ``--steps N`` instead trains the SmolLM2 arithmetic recipe for N steps and prints the trainer's resident
 memory after each step (``memory/trainer_rss_gib`` and ``memory/trainer_peak_rss_gib`` of its metrics).
 
     python benchmarks/memory.py                          # the grid (about 20 minutes on 2 cores)
     python benchmarks/memory.py --tokens 1024 4096 --modes plain ckpt+chunk
     python benchmarks/memory.py --steps 20               # resident memory per step of a real run
+    python benchmarks/memory.py --growth 25              # per training pass, exact against gridded widths
 """
 
 from __future__ import annotations
@@ -59,41 +64,52 @@ def estimate(mode: str, pass_: str, tokens: int, precision: str, allocator: str)
     return plan.passes[pass_] | {"_available": float(plan.available or 0)}
 
 
-def child(spec: dict) -> dict:
-    """One measured row, in this (fresh) process."""
-    import torch
-
+def _worker(mode: str, precision: str):
+    """SmolLM2 in a policy worker and the GRPO loss, as the SmolLM2 recipes train it (KL 0)."""
     from rlfleet.config import load_recipe, resolve_recipe_path
     from rlfleet.models.loading import ModelSource
-    from rlfleet.policy.batch import collate
     from rlfleet.policy.loss_functions import ClippedPGLossFn
-    from rlfleet.policy.microbatch import MicroBatching
     from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
-    from rlfleet.utils.allocator import running_allocator
-    from rlfleet.utils.memory import release_free_memory, take_peak_resident_bytes
 
-    cfg = load_recipe(resolve_recipe_path(RECIPE), overrides(spec["mode"], spec["pass"], 256, "bfloat16"))
-    ckpt, chunk = MODES[spec["mode"]]
+    cfg = load_recipe(resolve_recipe_path(RECIPE), overrides(mode, "train", 256, "bfloat16"))
     settings = OptimizerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, max_grad_norm=1.0)
-    source = ModelSource(cfg.policy.model_name, spec["precision"], cfg.policy.gguf_file)
-    worker = PolicyWorker(source, settings, keep_reference=False, activation_checkpointing=ckpt)
+    source = ModelSource(cfg.policy.model_name, precision, cfg.policy.gguf_file)
+    worker = PolicyWorker(source, settings, keep_reference=False, activation_checkpointing=MODES[mode][0])
     loss = ClippedPGLossFn(
         eps_low=0.2, eps_high=0.2, dual_clip_c=None, kl_penalty=0.0, kl_input_clamp=20.0,
         kl_output_clamp=10.0, token_level=True, importance_sampling_correction=False,
         prev_from_training_forward=True,
     )  # fmt: skip
+    return worker, loss
+
+
+def _random_batch(worker, gen, responses: list[int]):
+    """Rows of ``ROW[0]`` random prompt tokens and the given numbers of random response tokens."""
+    import torch
+
+    from rlfleet.policy.batch import collate
+
+    vocab = worker.tokenizer.vocab_size
+    prompts = [torch.randint(3, vocab - 1, (ROW[0],), generator=gen).tolist() for _ in responses]
+    answers = [torch.randint(3, vocab - 1, (n,), generator=gen).tolist() for n in responses]
+    batch = collate(prompts, answers, worker.tokenizer.pad_token_id or 0)
+    return batch.with_(advantages=torch.randn(len(responses), generator=gen))
+
+
+def child(spec: dict) -> dict:
+    """One measured row, in this (fresh) process."""
+    import torch
+
+    from rlfleet.policy.microbatch import MicroBatching
+    from rlfleet.utils.allocator import running_allocator
+    from rlfleet.utils.memory import release_free_memory, take_peak_resident_bytes
+
+    worker, loss = _worker(spec["mode"], spec["precision"])
+    chunk = MODES[spec["mode"]][1]
     gen = torch.Generator().manual_seed(0)
 
-    def batch_of(tokens: int):
-        rows = max(tokens // sum(ROW), 1)
-        vocab = worker.tokenizer.vocab_size
-        prompts = [torch.randint(3, vocab - 1, (ROW[0],), generator=gen).tolist() for _ in range(rows)]
-        responses = [torch.randint(3, vocab - 1, (ROW[1],), generator=gen).tolist() for _ in range(rows)]
-        batch = collate(prompts, responses, worker.tokenizer.pad_token_id or 0)
-        return batch.with_(advantages=torch.randn(rows, generator=gen))
-
     def run(tokens: int, pass_: str) -> None:
-        batch = batch_of(tokens)
+        batch = _random_batch(worker, gen, [ROW[1]] * max(tokens // sum(ROW), 1))
         batching = MicroBatching(len(batch), tokens, pack=True, logprob_chunk=chunk)
         if pass_ == "train":
             worker.train(batch, loss, global_batch_size=len(batch), micro_batching=batching)
@@ -114,6 +130,40 @@ def child(spec: dict) -> dict:
     peak = torch.cuda.max_memory_allocated() if cuda else take_peak_resident_bytes()
     device = "cuda" if cuda else "cpu"
     return {"peak": peak, "seconds": min(seconds), "device": device, "allocator": running_allocator()}
+
+
+def growth_child(spec: dict) -> dict:
+    """Resident memory after each of ``spec["passes"]`` training passes on GRPO-like packed rows, in this
+    (fresh) process: 8 to 40 rows (whole groups of 8, as when flat groups are skipped) of random response
+    lengths, one packed micro-batch each, with packed widths on a grid of ``spec["widths"]`` per doubling
+    (0: every row at its exact width)."""
+    import torch
+
+    from rlfleet.policy import microbatch
+    from rlfleet.policy.microbatch import MicroBatching
+    from rlfleet.utils.allocator import running_allocator
+    from rlfleet.utils.memory import release_free_memory, resident_bytes
+
+    if spec["widths"] == 0:
+        microbatch.PACKED_WIDTHS_PER_DOUBLING = 1 << 40  # rounds to a multiple of 1: exact widths
+    else:
+        microbatch.PACKED_WIDTHS_PER_DOUBLING = spec["widths"]
+    worker, loss = _worker("ckpt+chunk", spec["precision"])
+    gen = torch.Generator().manual_seed(spec["seed"])
+    budget = 40 * sum(ROW)
+    rss, tokens, seconds = [], [], []
+    for _ in range(spec["passes"]):
+        rows = 8 * int(torch.randint(1, 6, (1,), generator=gen))
+        lengths = torch.randint(16, ROW[1] + 1, (rows,), generator=gen).tolist()
+        batch = _random_batch(worker, gen, lengths)
+        batching = MicroBatching(rows, budget, pack=True, logprob_chunk=MODES["ckpt+chunk"][1])
+        start = time.perf_counter()
+        worker.train(batch, loss, global_batch_size=rows, micro_batching=batching)
+        seconds.append(time.perf_counter() - start)
+        release_free_memory()
+        rss.append(resident_bytes() or 0)
+        tokens.append(rows * ROW[0] + sum(lengths))
+    return {"rss": rss, "tokens": tokens, "seconds": seconds, "allocator": running_allocator()}
 
 
 def child_env(allocator: str) -> dict[str, str]:
@@ -171,6 +221,31 @@ def grid(args: argparse.Namespace) -> None:
     print(f"\nlargest deviation of the estimate: {worst:.0%}")
 
 
+def growth(args: argparse.Namespace) -> None:
+    gib = 2**30
+    runs = {}
+    for widths in args.widths:
+        spec = {"passes": args.growth, "widths": widths, "precision": args.precision, "seed": 0}
+        got = measure(spec, args.allocator)
+        if "error" in got:
+            raise SystemExit(f"widths {widths}: {got['error']}")
+        runs[widths] = got
+    names = {w: "exact widths" if w == 0 else f"{w} widths per doubling" for w in runs}
+    print(f"SmolLM2-135M-Instruct, {args.precision} compute, checkpointing and chunked logprobs,")
+    print(f"{args.allocator} malloc; resident memory after each training pass on packed rows of 8 to 40")
+    print("sequences (the same rows in every column, one fresh process per column)")
+    print("| pass | tokens | " + " | ".join(f"{names[w]} GiB, s" for w in runs) + " |")
+    print("|---|---|" + "---|" * len(runs))
+    first = next(iter(runs.values()))
+    for i, tokens in enumerate(first["tokens"]):
+        cells = [f"{r['rss'][i] / gib:.3f}, {r['seconds'][i]:.1f}" for r in runs.values()]
+        print(f"| {i + 1} | {tokens:,} | " + " | ".join(cells) + " |")
+    for w, r in runs.items():
+        grown = f"pass 3 to {args.growth}: {(r['rss'][-1] - r['rss'][2]) / gib:+.3f} GiB"
+        later = f"passes 3 to {args.growth}: {sum(r['seconds'][2:]):.0f} s"
+        print(f"{names[w]}: {grown}; {later}" if args.growth > 3 else names[w])
+
+
 def steps(args: argparse.Namespace) -> None:
     import tempfile
 
@@ -213,11 +288,21 @@ def main() -> None:
         help="the children's malloc (jemalloc, as the rlfleet command runs where one is installed)",
     )
     parser.add_argument("--steps", type=int, help="train the SmolLM2 arithmetic recipe N steps instead")
+    parser.add_argument(
+        "--growth", type=int, help="N training passes on varied packed rows: resident memory after each"
+    )
+    parser.add_argument(
+        "--widths", type=int, nargs="+", default=[0, 16],
+        help="packed widths per doubling for --growth, one column each (0: exact widths)",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="recipe overrides for --steps")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(json.loads(args.child))))
+        spec = json.loads(args.child)
+        print(json.dumps(growth_child(spec) if "passes" in spec else child(spec)))
+    elif args.growth:
+        growth(args)
     elif args.steps:
         steps(args)
     else:

@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: benchmarks/ importable
 
-from benchmarks.generation_backends import matmul_peak_flops
+from benchmarks.generation_backends import matmul_peak_flops, memory_bandwidth
 
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
@@ -349,6 +349,38 @@ def flop_floor(times: StepTimes, params: int, passes: int, peaks: dict[str, floa
     return flops / peaks[times.dtype]
 
 
+def phase_floors(
+    times: StepTimes, params: int, passes: int, peaks: dict[str, float], rows: int, bandwidth: float
+) -> dict[str, float]:
+    """Each phase's own floor in seconds: its model FLOPs at the dtype's matmul peak (as ``flop_floor``) and,
+    for generation, also the weight reads of decoding (every decode step reads all weights once, and a batch
+    takes at least its rows' mean response length in steps) at the measured copy bandwidth."""
+    tokens, response = times.mean(times.tokens), times.mean(times.response_tokens)
+    peak, weight_bytes = peaks[times.dtype], params * (2 if times.dtype == "bfloat16" else 4)
+    return {
+        "generation": 2 * params * tokens / peak,
+        "generation, weight reads": response / rows * weight_bytes / bandwidth,
+        "logprobs": 2 * params * tokens * passes / peak,
+        "training": 6 * params * tokens / peak,
+    }
+
+
+def phase_table(results: list[StepTimes], floors: dict[str, dict[str, float]]) -> str:
+    """Seconds of each phase against its own floors: where a step's distance from its floor lies."""
+    lines = ["| | phase | seconds | FLOP floor s | x floor | weight-read floor s | x that floor |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for r in results:
+        s, f = r.summary(), floors[r.name]
+        for phase in ("generation", "logprobs", "training"):
+            if phase not in s or f[phase] == 0:
+                continue
+            bw = f.get(f"{phase}, weight reads")
+            tail = f"{bw:.2f} | {s[phase] / bw:.1f}x" if bw else " | "
+            flops = f"{f[phase]:.2f} | {s[phase] / f[phase]:.1f}x"
+            lines.append(f"| {r.name} | {phase} | {s[phase]:.2f} | {flops} | {tail} |")
+    return "\n".join(lines)
+
+
 def table(results: list[StepTimes], floors: dict[str, float]) -> str:
     summaries = [(r.name, {**r.summary(), "FLOP floor s": floors[r.name]}) for r in results]
     for _, s in summaries:
@@ -447,13 +479,18 @@ def main() -> None:
     peaks = {"float32": matmul_peak_flops(), "bfloat16": matmul_peak_flops(dtype=torch.bfloat16)}
     passes = int(case.kl > 0)  # the reference pass; prev comes from the training forward in every row
     floors = {r.name: flop_floor(r, params, passes, peaks) for r in results}
+    bandwidth, rows = memory_bandwidth(), case.prompts * case.samples
+    by_phase = {r.name: phase_floors(r, params, passes, peaks, rows, bandwidth) for r in results}
     print(
         f"\n{model} ({params / 1e6:.1f}M parameters): {case.prompts} prompts x {case.samples} samples x "
         f"{case.max_new_tokens} new tokens, KL {case.kl}, lr {case.lr}, one micro-batch of "
         f"{case.prompts * case.samples}, {args.threads} threads, mean of steps 2-{steps}; matmul peak "
-        f"{peaks['float32'] / 1e9:.0f} GFLOP/s float32, {peaks['bfloat16'] / 1e9:.0f} GFLOP/s bf16\n"
+        f"{peaks['float32'] / 1e9:.0f} GFLOP/s float32, {peaks['bfloat16'] / 1e9:.0f} GFLOP/s bf16, "
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s\n"
     )
     print(table(results, floors))
+    print("\nBy phase, against each phase's own floor (decoding also against reading the weights):\n")
+    print(phase_table(results, by_phase))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Smoke test of benchmarks/versus_trl.py: both frameworks run the tiny case, like for like and each at its
-best, and the table with the FLOP floors and both speed-ups prints.
+best, and the table with the FLOP floors, both speed-ups and each phase against its own floors prints.
 
 Needs TRL: the ``bench`` extra, which ``dev`` includes (``make test`` installs it), so it never skips.
 """
@@ -27,3 +27,9 @@ def test_quick_comparison_prints_both_frameworks_and_the_speed_up() -> None:
     assert "speed-up rlfleet / TRL, like for like (float32):" in done.stdout
     assert "speed-up rlfleet / TRL, best against best:" in done.stdout
     assert "FLOP floor s" in done.stdout
+    cells = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ")]
+    by_phase = {(c[0].strip(), c[1].strip()): c for c in cells if len(c) == 7}
+    for name in ("rlfleet best", "TRL bf16"):
+        for phase in ("generation", "training"):
+            assert (name, phase) in by_phase, f"no {phase} row for {name} in the by-phase table"
+        assert by_phase[name, "generation"][5].strip(), "decoding's weight-read floor is missing"
