@@ -223,6 +223,8 @@ def grid(args: argparse.Namespace) -> None:
 
 def growth(args: argparse.Namespace) -> None:
     gib = 2**30
+    if any(w & (w - 1) for w in args.widths):
+        raise SystemExit(f"--widths {args.widths}: each must be 0 (exact) or a power of two")
     runs = {}
     for widths in args.widths:
         spec = {"passes": args.growth, "widths": widths, "precision": args.precision, "seed": 0}

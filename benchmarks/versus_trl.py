@@ -339,30 +339,34 @@ def run_trl(case: Case, cfg: MasterConfig, run_dir: Path, *, bf16: bool) -> Step
 # ------------------------------------------------------------------------------------------------- report
 
 
-def flop_floor(times: StepTimes, params: int, passes: int, peaks: dict[str, float]) -> float:
-    """Seconds per step no implementation can beat: model FLOPs of the step at the dtype's matmul peak.
+def phase_flop_floors(
+    times: StepTimes, params: int, passes: int, peaks: dict[str, float]
+) -> dict[str, float]:
+    """Each phase's model FLOPs at the dtype's matmul peak, in seconds: generation ``2 N`` per prompt and
+    response token, each of ``passes`` logprob passes ``2 N`` per token, the training pass ``6 N`` per token
+    (mean of the same steps as the timings)."""
+    tokens, peak = times.mean(times.tokens), peaks[times.dtype]
+    return {
+        "generation": 2 * params * tokens / peak,
+        "logprobs": 2 * params * tokens * passes / peak,
+        "training": 6 * params * tokens / peak,
+    }
 
-    Generation costs ``2 N`` per prompt and response token, each of ``passes`` logprob passes ``2 N`` per
-    token and the training pass ``6 N`` per token (mean of the same steps as the timings)."""
-    tokens = times.mean(times.tokens)
-    flops = 2 * params * tokens + 2 * params * tokens * passes + 6 * params * tokens
-    return flops / peaks[times.dtype]
+
+def flop_floor(times: StepTimes, params: int, passes: int, peaks: dict[str, float]) -> float:
+    """Seconds per step no implementation can beat: the step's phases at their FLOP floors."""
+    return sum(phase_flop_floors(times, params, passes, peaks).values())
 
 
 def phase_floors(
     times: StepTimes, params: int, passes: int, peaks: dict[str, float], rows: int, bandwidth: float
 ) -> dict[str, float]:
-    """Each phase's own floor in seconds: its model FLOPs at the dtype's matmul peak (as ``flop_floor``) and,
-    for generation, also the weight reads of decoding (every decode step reads all weights once, and a batch
-    takes at least its rows' mean response length in steps) at the measured copy bandwidth."""
-    tokens, response = times.mean(times.tokens), times.mean(times.response_tokens)
-    peak, weight_bytes = peaks[times.dtype], params * (2 if times.dtype == "bfloat16" else 4)
-    return {
-        "generation": 2 * params * tokens / peak,
-        "generation, weight reads": response / rows * weight_bytes / bandwidth,
-        "logprobs": 2 * params * tokens * passes / peak,
-        "training": 6 * params * tokens / peak,
-    }
+    """``phase_flop_floors`` and, for generation, the weight reads of decoding (every decode step reads all
+    weights once, and a batch takes at least its rows' mean response length in steps) at the measured copy
+    bandwidth."""
+    weight_bytes = params * (2 if times.dtype == "bfloat16" else 4)
+    reads = times.mean(times.response_tokens) / rows * weight_bytes / bandwidth
+    return {**phase_flop_floors(times, params, passes, peaks), "generation, weight reads": reads}
 
 
 def phase_table(results: list[StepTimes], floors: dict[str, dict[str, float]]) -> str:
