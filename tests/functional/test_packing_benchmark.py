@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from rlfleet.policy.microbatch import PACKED_WIDTHS_PER_DOUBLING
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "packing.py"
 
 
@@ -29,5 +31,7 @@ def test_quick_run_prints_padding_and_times_per_layout() -> None:
         for cells in [line.split("|")]
     }
     assert set(rows) == {"padded", "dynamic", "packed"}
-    assert rows["packed"][3].strip() == "0.0%"  # packing computes no padding
-    assert float(rows["padded"][3].strip().rstrip("%")) > 0
+    padding = {name: float(cells[3].strip().rstrip("%")) / 100 for name, cells in rows.items()}
+    # a packed row is rounded up to a width on the grid: at most 1/16 of its slots are padding
+    assert padding["packed"] <= 1 / PACKED_WIDTHS_PER_DOUBLING
+    assert padding["padded"] > padding["packed"]

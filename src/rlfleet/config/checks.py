@@ -199,7 +199,7 @@ def _micro_batching_problems(cfg: MasterConfig) -> list[str]:
         return [
             "policy.dynamic_batching.enabled and policy.sequence_packing.enabled are both true, but a "
             "micro-batch is either padded rows grouped by tokens or packed rows, not both (NeMo RL refuses "
-            "this too); fix: set one of them to false (sequence packing computes no padding at all)"
+            "this too); fix: set one of them to false (sequence packing pads each packed row by at most 1/16)"
         ]
     problems = []
     for name, section in (("dynamic_batching", dyn), ("sequence_packing", pack)):
