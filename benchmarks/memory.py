@@ -264,14 +264,21 @@ def steps(args: argparse.Namespace) -> None:
     from rlfleet.logging import read_metrics
 
     rows = read_metrics(out / "logs")
-    print("| step | trainer RSS after step GiB | trainer peak RSS during step GiB | step s |")
-    print("|---|---|---|---|")
+    # a step's peak covers what ran since the previous step's metrics: its validation and checkpoint too
+    print(
+        "| step | trainer RSS after step GiB | trainer peak RSS since last step GiB | step s | ran before |"
+    )
+    print("|---|---|---|---|---|")
+    before = ""
     for r in rows:
         if "memory/trainer_rss_gib" in r:
+            seconds = r.get("timing/total", float("nan"))
             print(
                 f"| {r.get('step')} | {r['memory/trainer_rss_gib']:.2f} | "
-                f"{r['memory/trainer_peak_rss_gib']:.2f} | {r.get('timing/total', float('nan')):.1f} |"
+                f"{r['memory/trainer_peak_rss_gib']:.2f} | {seconds:.1f} | {before} |"
             )
+        ran = [name for name in ("validation", "checkpoint") if f"timing/{name}" in r]
+        before = " + ".join(ran)
 
 
 def main() -> None:

@@ -83,12 +83,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     cfg = _load(args.recipe, args.overrides)
     layout = resource_layout(cfg)
     check_config(cfg, args.algorithm, layout=layout)
-    from rlfleet.memory_plan import ensure_fits, fitted_budgets
+    from rlfleet.memory_plan import ensure_fits, explained_budgets
 
     ensure_fits(cfg, layout, args.algorithm)
     print(config_to_yaml(cfg), end="")
     if args.algorithm == "grpo":
-        described = describe_algorithm(cfg, fitted_budgets(cfg))
+        described = describe_algorithm(cfg, explained_budgets(cfg))
         print("# GRPO as configured:", *[f"#   {k}: {v}" for k, v in described], sep="\n")
     not_here = unsupported_settings(cfg, layout=layout)
     if not_here:

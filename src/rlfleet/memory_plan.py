@@ -171,11 +171,16 @@ def parameter_counts(cfg: MasterConfig) -> tuple[int, int]:
     return parameters, trainable
 
 
-def fitted_budgets(cfg: MasterConfig, algorithm: Algorithm = "grpo") -> dict[str, int]:
+def fitted_budgets(cfg: MasterConfig, algorithm: Algorithm = "grpo") -> dict[Pass, int]:
     """``default_budget`` of each pass where it applies."""
     passes: tuple[Pass, ...] = ("train",) if algorithm == "sft" else ("train", "logprob")
     found = {pass_: default_budget(cfg, pass_, algorithm) for pass_ in passes}
     return {pass_: n for pass_, n in found.items() if n is not None}
+
+
+def explained_budgets(cfg: MasterConfig, algorithm: Algorithm = "grpo") -> dict[Pass, tuple[int, str]]:
+    """``fitted_budgets`` with why each is what it is (``budget_basis``)."""
+    return {pass_: (n, budget_basis(cfg, pass_, n)) for pass_, n in fitted_budgets(cfg, algorithm).items()}
 
 
 def default_budget(cfg: MasterConfig, pass_: Pass, algorithm: Algorithm = "grpo") -> int | None:
@@ -194,13 +199,27 @@ def default_budget(cfg: MasterConfig, pass_: Pass, algorithm: Algorithm = "grpo"
     best = largest_fitting_tokens(cfg, layout, *parameter_counts(cfg), pass_, algorithm)
     if best is None or best < p.max_total_sequence_length:
         return None
+    return min(best, whole_share_tokens(cfg, layout, pass_))
+
+
+def whole_share_tokens(cfg: MasterConfig, layout: ResourceLayout, pass_: Pass) -> int:
+    """Tokens of one training rank's whole share of a ``pass_``'s rows at the sequence budget (at least one
+    sequence): no budget larger than that can fill a micro-batch."""
+    p = cfg.policy
     rows = (
         p.train_global_batch_size
         if pass_ == "train"
-        else cfg.grpo.num_prompts_per_step * (cfg.grpo.num_generations_per_prompt)
+        else cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     )
-    whole_share = -(-rows // layout.train_world) * p.max_total_sequence_length
-    return min(best, max(whole_share, p.max_total_sequence_length))
+    return max(-(-rows // layout.train_world), 1) * p.max_total_sequence_length
+
+
+def budget_basis(cfg: MasterConfig, pass_: Pass, tokens: int) -> str:
+    """Why ``default_budget`` chose ``tokens``: the whole share of the batch (a micro-batch can hold no
+    more, and it fits), or the largest that fits this machine with headroom."""
+    if tokens >= whole_share_tokens(cfg, resource_layout(cfg), pass_):
+        return "a rank's whole share of the batch, which fits this machine's memory"
+    return "the largest that fits this machine's memory with headroom"
 
 
 def model_state(

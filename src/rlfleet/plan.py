@@ -25,7 +25,7 @@ from rlfleet.memory_plan import (
     BYTES,
     count_lora_parameters,
     count_parameters,
-    fitted_budgets,
+    explained_budgets,
     largest_fitting_tokens,
     memory_plan,
     memory_problems,
@@ -122,11 +122,10 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
         if lay.colocated
         else f"dedicated {_gpus(cfg, lay.gen_nodes, lay.gen_gpus_per_node)}"
     )
-    dp_micro = f"DP {lay.train_dp} x micro {p.train_micro_batch_size}"
     return [
         ("cluster", _gpus(cfg, lay.num_nodes, lay.gpus_per_node)),
         ("workers", _workers(cfg, lay)),
-        ("generation", f"{where}; {lay.backend}, TP {lay.gen_tp} -> {lay.gen_engines} engine(s)"),
+        ("placement", f"generation {where}; {lay.backend}, TP {lay.gen_tp} -> {lay.gen_engines} engine(s)"),
         *([("engine", plan.gen_engine)] if plan.gen_engine else []),
         (
             "training",
@@ -140,16 +139,27 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
             "optimizer steps",
             f"{plan.optimizer_steps_per_step} per step (global batch {p.train_global_batch_size})",
         ),
-        (
-            "micro-batches",
-            f"{plan.micro_batches_per_optimizer_step} per optimizer step per rank ({dp_micro})",
-        ),
+        ("per update", _micro_batches(cfg, plan)),
         (
             "sequence budget",
             f"{p.max_total_sequence_length} tokens, max_new_tokens {p.generation.max_new_tokens}",
         ),
-        *describe_algorithm(cfg, fitted_budgets(cfg)),
+        *describe_algorithm(cfg, explained_budgets(cfg)),
     ]
+
+
+def _micro_batches(cfg: MasterConfig, plan: Plan) -> str:
+    p, dp = cfg.policy, plan.layout.train_dp
+    if p.sequence_packing.enabled or p.dynamic_batching.enabled:
+        rows = -(-p.train_global_batch_size // dp)
+        return (
+            f"{rows} row(s) per optimizer step per rank (DP {dp}), split by the token budgets below "
+            "(train_micro_batch_size and logprob_batch_size are not used)"
+        )
+    return (
+        f"{plan.micro_batches_per_optimizer_step} micro-batch(es) of {p.train_micro_batch_size} row(s) per "
+        f"optimizer step per rank (DP {dp})"
+    )
 
 
 def _workers(cfg: MasterConfig, lay: ResourceLayout) -> str:

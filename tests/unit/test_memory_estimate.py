@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rlfleet.algorithms.builders import micro_batching
 from rlfleet.cli import main
 from rlfleet.config import load_recipe, resolve_recipe_path
+from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.layout import resource_layout
 from rlfleet.config.schema import ArchitectureConfig
 from rlfleet.memory_estimate import (
@@ -29,6 +30,7 @@ from rlfleet.memory_estimate import (
 )
 from rlfleet.memory_plan import (
     count_parameters,
+    explained_budgets,
     fitted_budgets,
     largest_fitting_tokens,
     memory_plan,
@@ -240,6 +242,15 @@ def test_an_unset_budget_is_the_largest_that_fits(monkeypatch: pytest.MonkeyPatc
     train = largest_fitting_tokens(cfg, layout, n, n, "train")
     assert train is not None and 640 <= train < 10240
     assert fitted_budgets(cfg) == {"train": train, "logprob": 10240}  # 16 rows x 640: all of them fit
+    # each budget says why it is what it is: capped by memory, or by the rows there are to fit
+    assert explained_budgets(cfg) == {
+        "train": (train, "the largest that fits this machine's memory with headroom"),
+        "logprob": (10240, "a rank's whole share of the batch, which fits this machine's memory"),
+    }
+    described = dict(describe_algorithm(cfg, explained_budgets(cfg)))["micro-batches"]
+    assert f"up to {train:,} tokens per training pass and 10,240 per logprob pass" in described
+    assert "(train_mb_tokens: the largest that fits" in described
+    assert "logprob_mb_tokens: a rank's whole share of the batch" in described
     assert micro_batching(cfg, "train").tokens == train and micro_batching(cfg, "logprob").tokens == 10240
     assert memory_problems(cfg) == []
     assert memory_plan(cfg, layout, n, n).tokens == {"train": train, "logprob": 10240}

@@ -46,9 +46,20 @@ def test_plan_command_prints_the_layout(capsys) -> None:
     out = capsys.readouterr().out
     assert "dedicated 1 node(s) x 8 GPU(s)" in out and "TP 8 x DP 1" in out and "16 x 64 = 1,024" in out
     assert "27.01B parameters" in out and "GiB" in out
+    assert "per update          512 micro-batch(es) of 1 row(s) per optimizer step per rank (DP 1)" in out
     assert "vllm, TP 8 -> 1 engine(s)" in out and "1 vLLM engine actor(s) of 8 GPU(s) each" in out
     assert "weights at start: dummy, then the trainer's (broadcast from training rank 0)" in out
     assert "not in this build" not in out
+
+
+def test_plan_says_token_budgets_not_rows_split_packed_batches(capsys) -> None:
+    """With packing the micro-batch rows are not used: the plan says so instead of counting them."""
+    tiny = ["policy.model_name=m", "policy.sequence_packing.enabled=true", "policy.train_micro_batch_size=2"]
+    assert main(["plan", "grpo-tiny-arithmetic-cpu", *tiny]) == 0
+    rows = next(line for line in capsys.readouterr().out.splitlines() if "per update" in line)
+    unused = "(train_micro_batch_size and logprob_batch_size are not used)"
+    assert f"split by the token budgets below {unused}" in rows
+    assert "256 row(s) per optimizer step per rank (DP 1)" in rows and "micro-batch(es) of 2" not in rows
 
 
 def test_plan_shows_the_colocated_vllm_engines_on_ray(capsys) -> None:

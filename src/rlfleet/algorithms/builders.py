@@ -38,7 +38,7 @@ from rlfleet.generation import (
     VLLMGenerationBackend,
     VLLMSettings,
 )
-from rlfleet.memory_plan import default_budget
+from rlfleet.memory_plan import budget_basis, default_budget
 from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import lora_settings
 from rlfleet.policy.interface import Policy
@@ -264,11 +264,11 @@ def micro_batching(cfg: MasterConfig, pass_: Pass, algorithm: Algorithm = "grpo"
     if fitting is not None:
         section = "sequence_packing" if policy.sequence_packing.enabled else "dynamic_batching"
         log.info(
-            "policy.%s.%s_mb_tokens=%d: the largest that fits this machine's memory with headroom "
-            "(rlfleet plan; set it to fix it)",
+            "policy.%s.%s_mb_tokens=%d: %s (rlfleet plan; set it to fix it)",
             section,
             pass_,
             fitting,
+            budget_basis(cfg, pass_, fitting),
         )
         tokens = fitting
     if policy.sequence_packing.enabled:

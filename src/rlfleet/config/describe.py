@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from rlfleet.config.batching import micro_batch_tokens
+from rlfleet.config.batching import Pass, micro_batch_tokens
 from rlfleet.config.resolved import generation_backend, policy_precision, truncation_type
 from rlfleet.config.schema import MasterConfig
 
@@ -112,17 +112,21 @@ def _precision(cfg: MasterConfig) -> str:
     return f"{resolved.name} compute, float32 master weights and AdamW state ({resolved.reason})"
 
 
-def _batching(cfg: MasterConfig, fitted: Mapping[str, int]) -> str:
+def _batching(cfg: MasterConfig, fitted: Mapping[Pass, tuple[int, str]]) -> str:
     p = cfg.policy
     if p.sequence_packing.enabled or p.dynamic_batching.enabled:
-        train, logprob = (fitted.get(x) or micro_batch_tokens(p, x) or 0 for x in ("train", "logprob"))
+        train, logprob = (
+            fitted[x][0] if x in fitted else micro_batch_tokens(p, x) or 0 for x in ("train", "logprob")
+        )
         how = (
             f"{'packed sequences' if p.sequence_packing.enabled else 'dynamic batching'}, up to {train:,} "
             f"tokens per training pass and {logprob:,} per logprob pass"
         )
-        if fitted:
-            named = " and ".join(f"{pass_}_mb_tokens" for pass_ in fitted)
-            how += f" ({named}: the largest that fits this machine's memory)"
+        bases: dict[str, list[str]] = {}
+        for pass_, (_, why) in fitted.items():
+            bases.setdefault(why, []).append(f"{pass_}_mb_tokens")
+        if bases:
+            how += " (" + "; ".join(f"{' and '.join(named)}: {why}" for why, named in bases.items()) + ")"
     else:
         rows = f"{p.train_micro_batch_size} rows (training), {p.logprob_batch_size} (logprobs)"
         how = f"padded micro-batches of {rows}"
@@ -139,10 +143,12 @@ def _generation(cfg: MasterConfig) -> str:
     return name if backend.reason == "set by the recipe" else f"{name} ({backend.reason})"
 
 
-def describe_algorithm(cfg: MasterConfig, fitted: Mapping[str, int] | None = None) -> list[tuple[str, str]]:
+def describe_algorithm(
+    cfg: MasterConfig, fitted: Mapping[Pass, tuple[int, str]] | None = None
+) -> list[tuple[str, str]]:
     """``(label, text)`` rows: the GRPO objective, the importance-sampling correction, the sampling, whether
     generation overlaps training, the rollouts, the compute dtype and the micro-batches (``fitted``: the
-    token budgets sized to this machine, ``rlfleet.memory_plan.default_budget``, by pass)."""
+    token budgets sized to this machine and why, ``rlfleet.memory_plan.explained_budgets``, by pass)."""
     return [
         ("loss", _loss(cfg)),
         ("IS correction", _importance_sampling(cfg)),
