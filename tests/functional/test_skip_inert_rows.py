@@ -89,6 +89,29 @@ def test_the_metrics_average_over_the_rows_computed(tiny_model_dir: Path) -> Non
     assert metrics["ratio"] == pytest.approx(1.0, abs=0.2)
 
 
+def test_a_step_that_trains_no_row_reports_no_ratio(tiny_model_dir: Path) -> None:
+    """Every row inert: the one row computed for the zero gradient is not a mean over trained rows, so the
+    step reports its loss but no ratio, clip fraction or generation-logprob error (they once came out as
+    sums over that row: ratio 160, error 3-5 nats on SmolLM2's flat steps). Where only some optimizer steps
+    of a GRPO step train, the means are over those steps."""
+    worker = make_worker(tiny_model_dir)
+    batch = make_batch(worker)
+    generated = batch.with_(generation_logprobs=torch.zeros_like(batch.response_mask))
+    flat = marked(with_zero_advantages(generated, tuple(range(len(batch)))))
+    metrics = worker.train(flat, pg_loss(kl_penalty=0.0), global_batch_size=8, micro_batching=PADDED)
+    assert metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
+    assert not {"ratio", "clip_fraction", "kl", "gen_logprob_error"} & set(metrics)
+    half = marked(with_zero_advantages(generated, (4, 5, 6, 7)))  # second optimizer step: all inert
+    both = make_worker(tiny_model_dir).train(
+        half, pg_loss(kl_penalty=0.0), global_batch_size=4, micro_batching=PADDED
+    )
+    first = make_worker(tiny_model_dir).train(
+        half.select(0, 4), pg_loss(kl_penalty=0.0), global_batch_size=4, micro_batching=PADDED
+    )
+    for key in ("ratio", "clip_fraction", "gen_logprob_error"):
+        assert both[key] == pytest.approx(first[key], rel=1e-6), key
+
+
 def test_with_a_kl_term_only_empty_rows_are_inert(tiny_model_dir: Path) -> None:
     worker = make_worker(tiny_model_dir)
     batch = with_zero_advantages(make_batch(worker))

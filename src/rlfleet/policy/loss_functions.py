@@ -120,20 +120,24 @@ class ClippedPGLossFn:
         else:
             pg, ratio = clipped_pg_loss(logprobs, prev, adv, self.eps_low, self.eps_high, self.dual_clip_c)
         per_token, metrics = pg, {}
+        trained = norm.of_trained  # the metrics are means over the rows computed
+        # no row trained (every row inert; one was computed for the zero gradient): no mean to report
+        measured = trained.num_tokens > 0
         if self.importance_sampling_correction:
             is_weights = self._importance_weights(prev, mb)
             per_token = per_token * is_weights.weights
-            metrics = _importance_metrics(is_weights, mask, norm.of_trained)
+            metrics = _importance_metrics(is_weights, mask, trained) if measured else {}
         kl = torch.zeros_like(logprobs)
         if self.kl_penalty > 0:
             kl = self._kl(logprobs, mb)
             per_token = per_token + self.kl_penalty * kl
         loss = self._aggregate(per_token, mask, norm)
-        trained = norm.of_trained  # the metrics are means over the rows computed
+        metrics["loss"] = float(loss.detach())
+        if not measured:
+            return loss, metrics
         with torch.no_grad():
             clipped = ((ratio < 1 - self.eps_low) | (ratio > 1 + self.eps_high)).float()
             metrics |= {
-                "loss": float(loss.detach()),
                 "kl": float(aggregate(kl, mask, trained, True)),
                 "ratio": float(aggregate(ratio, mask, trained, True)),
                 "clip_fraction": float(aggregate(clipped, mask, trained, True)),

@@ -51,13 +51,15 @@ class OptimizerSettings:
 def over_global_batches(
     batch: TrainBatch, global_batch_size: int, step_fn: Callable[[TrainBatch], dict[str, float]]
 ) -> dict[str, float]:
-    """Runs ``step_fn`` (one optimizer step) on each ``global_batch_size`` slice; metrics averaged."""
+    """Runs ``step_fn`` (one optimizer step) on each ``global_batch_size`` slice; each metric averaged over
+    the steps that report it (a step that trains no row reports no ratio)."""
     totals: dict[str, float] = {}
-    num_steps = len(batch) // global_batch_size
+    counts: dict[str, int] = {}
     for start in range(0, len(batch), global_batch_size):
         for key, value in step_fn(batch.select(start, start + global_batch_size)).items():
-            totals[key] = totals.get(key, 0.0) + value / num_steps
-    return totals
+            totals[key] = totals.get(key, 0.0) + value
+            counts[key] = counts.get(key, 0) + 1
+    return {key: total / counts[key] for key, total in totals.items()}
 
 
 def default_device() -> torch.device:
