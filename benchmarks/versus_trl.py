@@ -449,6 +449,13 @@ def main() -> None:
         help="also time rlfleet with the prev-logprob pass forced",
     )
     parser.add_argument("--override", action="append", default=[], help="extra rlfleet recipe override")
+    parser.add_argument(
+        "--best-override",
+        action="append",
+        default=[],
+        help="an override of the 'rlfleet best' row only (e.g. "
+        "policy.dtensor_cfg.activation_checkpointing=false where a step fits without it)",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -466,7 +473,7 @@ def main() -> None:
         lr=args.lr,
     )
     like = [*LIKE_FOR_LIKE, *args.override]
-    best = [*(["policy.generation.backend=hf"] if args.quick else []), *args.override]
+    best = [*(["policy.generation.backend=hf"] if args.quick else []), *args.override, *args.best_override]
     results = [run_rlfleet(case, work / "rlfleet", like, "rlfleet float32")]
     if args.separate_prev_pass:
         prev = work / "rlfleet-prev"
