@@ -238,3 +238,10 @@ def test_two_fsdp_ranks_skipping_rows_equal_one_process_computing_all(
     want = single.train(batch, loss_fn, global_batch_size=8, micro_batching=MicroBatching(rows=2))
     got, state = train_on_two_ray_ranks(tiny_model_dir, 1, marked(batch), loss_fn, 2)
     assert_same_step(got, state, want, single)
+    # the means are over the trained rows, as one process that skips them computes them: the inert row
+    # rank 1 takes back counts in neither their sums nor their counts
+    skipping = make_worker(tiny_model_dir).train(
+        marked(batch), loss_fn, global_batch_size=8, micro_batching=MicroBatching(rows=2)
+    )
+    for key in ("ratio", "clip_fraction"):
+        assert got[key] == pytest.approx(skipping[key], rel=1e-5, abs=1e-7), key

@@ -34,6 +34,11 @@ from rlfleet.policy.loss import (
 )
 
 
+def trained_mask(mask: torch.Tensor, inert: torch.Tensor | None) -> torch.Tensor:
+    """``mask`` ``[B, T]`` with the ``inert`` rows (``[B]`` bool, or None for none) zeroed."""
+    return mask if inert is None else mask * (~inert.to(mask.device)).unsqueeze(1).to(mask.dtype)
+
+
 def _required(value: torch.Tensor | None, name: str) -> torch.Tensor:
     if value is None:
         raise ValueError(f"the clipped policy-gradient loss needs batch.{name}; compute it before training")
@@ -120,13 +125,15 @@ class ClippedPGLossFn:
         else:
             pg, ratio = clipped_pg_loss(logprobs, prev, adv, self.eps_low, self.eps_high, self.dual_clip_c)
         per_token, metrics = pg, {}
-        trained = norm.of_trained  # the metrics are means over the rows computed
-        # no row trained (every row inert; one was computed for the zero gradient): no mean to report
+        # the metrics are means over the rows trained: an inert row computed only so that the ranks run
+        # equal passes (or the optimizer steps on a zero gradient) counts in neither sum nor count, and
+        # with no row trained there is no mean to report
+        trained, measured_mask = norm.of_trained, trained_mask(mask, mb.inert)
         measured = trained.num_tokens > 0
         if self.importance_sampling_correction:
             is_weights = self._importance_weights(prev, mb)
             per_token = per_token * is_weights.weights
-            metrics = _importance_metrics(is_weights, mask, trained) if measured else {}
+            metrics = _importance_metrics(is_weights, measured_mask, trained) if measured else {}
         kl = torch.zeros_like(logprobs)
         if self.kl_penalty > 0:
             kl = self._kl(logprobs, mb)
@@ -138,13 +145,13 @@ class ClippedPGLossFn:
         with torch.no_grad():
             clipped = ((ratio < 1 - self.eps_low) | (ratio > 1 + self.eps_high)).float()
             metrics |= {
-                "kl": float(aggregate(kl, mask, trained, True)),
-                "ratio": float(aggregate(ratio, mask, trained, True)),
-                "clip_fraction": float(aggregate(clipped, mask, trained, True)),
+                "kl": float(aggregate(kl, measured_mask, trained, True)),
+                "ratio": float(aggregate(ratio, measured_mask, trained, True)),
+                "clip_fraction": float(aggregate(clipped, measured_mask, trained, True)),
             }
             if mb.generation_logprobs is not None:
                 error = (prev - mb.generation_logprobs).abs()
-                metrics["gen_logprob_error"] = float(aggregate(error, mask, trained, True))
+                metrics["gen_logprob_error"] = float(aggregate(error, measured_mask, trained, True))
         return loss, metrics
 
     def _kl(self, logprobs: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
