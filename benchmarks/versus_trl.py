@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchmarks.generation_backends import matmul_peak_flops, memory_bandwidth
 
 from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.overlong import OverlongShaping
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.config.resolved import policy_precision
 from rlfleet.data import build_prompts, load_task, resolve_system_prompt
@@ -205,6 +206,18 @@ def math_reward_for_trl(
     return [math_reward(p, c, g) for p, c, g in zip(prompts, completions, gold, strict=True)]
 
 
+def overlong_reward_for_trl(shaping: OverlongShaping) -> Any:
+    """rlfleet's overlong penalty (``grpo.reward_shaping``) as a second TRL reward function: TRL sums its
+    reward functions, so a response's reward is ``math_reward`` plus the same penalty rlfleet adds. The
+    length is TRL's completion ids, as rlfleet's is the response's tokens."""
+
+    def overlong_penalty_reward(completion_ids: list[list[int]], **_: object) -> list[float]:
+        lengths = torch.tensor([len(ids) for ids in completion_ids])
+        return shaping.apply(torch.zeros(len(completion_ids)), lengths).tolist()
+
+    return overlong_penalty_reward
+
+
 def trl_trainer(
     model_dir: Path,
     prompts: list[Any],
@@ -221,6 +234,7 @@ def trl_trainer(
     callbacks: list[Any],
     temperature: float = 1.0,
     micro_batch: int | None = None,
+    overlong: OverlongShaping | None = None,
     **extra: Any,
 ) -> Any:
     """TRL's ``GRPOTrainer`` on rlfleet's rendered ``prompts`` (text and gold), rlfleet's math reward, one
@@ -228,7 +242,7 @@ def trl_trainer(
     default recomputes activations; rlfleet's recipes do not), float32 master weights (``bf16``: TRL's
     autocast). ``micro_batch``: rows per forward/backward (TRL's ``per_device_train_batch_size``, with
     gradient accumulation and one generation batch of ``rows`` per optimizer step); None: all ``rows`` in
-    one. ``extra``: more ``GRPOConfig`` fields."""
+    one. ``overlong``: add rlfleet's overlong penalty to the reward. ``extra``: more ``GRPOConfig`` fields."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -262,7 +276,7 @@ def trl_trainer(
     )
     return GRPOTrainer(
         model=str(model_dir),
-        reward_funcs=math_reward_for_trl,
+        reward_funcs=[math_reward_for_trl, *([overlong_reward_for_trl(overlong)] if overlong else [])],
         args=args,
         train_dataset=dataset,
         processing_class=load_tokenizer(str(model_dir)),

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "versus_trl.py"
 
@@ -33,3 +34,24 @@ def test_quick_comparison_prints_both_frameworks_and_the_speed_up() -> None:
         for phase in ("generation", "training"):
             assert (name, phase) in by_phase, f"no {phase} row for {name} in the by-phase table"
         assert by_phase[name, "generation"][5].strip(), "decoding's weight-read floor is missing"
+
+
+def test_trl_gets_the_same_overlong_penalty_as_rlfleet() -> None:
+    """time_to_accuracy.py gives TRL the recipe's overlong penalty as a second reward function (TRL sums
+    them): for every length it is rlfleet's own penalty, and the SmolLM2 recipe's shaping is what it reads."""
+    sys.path.insert(0, str(SCRIPT.parents[1]))
+    from benchmarks.versus_trl import overlong_reward_for_trl
+
+    from rlfleet.algorithms.builders import overlong_shaping
+    from rlfleet.algorithms.overlong import overlong_penalty
+    from rlfleet.config import load_recipe, resolve_recipe_path
+
+    cfg = load_recipe(resolve_recipe_path("grpo-smollm2-135m-arithmetic-cpu"), [])
+    shaping = overlong_shaping(cfg)
+    assert shaping is not None and (shaping.max_response_length, shaping.buffer_length) == (160, 64)
+    lengths = [5, 96, 97, 128, 160, 200]
+    got = overlong_reward_for_trl(shaping)(completion_ids=[[1] * n for n in lengths], prompts=[], gold=[])
+    expected = overlong_penalty(torch.tensor(lengths), 160, 64, 0.5).tolist()
+    assert got == expected and got[:2] == [0.0, 0.0] and got[3] == -0.25 and got[4] == -0.5
+    off = load_recipe(resolve_recipe_path("grpo-tiny-arithmetic-cpu"), [])
+    assert overlong_shaping(off) is None

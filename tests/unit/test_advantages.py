@@ -79,3 +79,22 @@ def test_without_leave_one_out_both_std_choices_agree():
     a = group_advantages(rewards, 4, leave_one_out=False, normalize=True, std_over="baseline_samples")
     b = group_advantages(rewards, 4, leave_one_out=False, normalize=True, std_over="group")
     assert torch.equal(a, b)
+
+
+def test_shaped_rewards_blow_up_the_leave_one_out_std_and_the_group_std_bounds_them():
+    """The overlong penalty makes rewards continuous. A truncated sample (-0.5) whose seven peers nearly
+    agree (six 0.0, one a token into the buffer, -1/128) is divided by the peers' tiny std: |A| ~ 350.
+    Seen in a SmolLM2 run (loss 6.9, grad norm 32 on one step). The whole group's std bounds every
+    advantage by sqrt(G) (a sample's z-score in a group of G is at most (G-1)/sqrt(G), times G/(G-1) for
+    the leave-one-out baseline)."""
+    rewards = torch.tensor([-0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1 / 128])
+    loo = group_advantages(rewards, 8, leave_one_out=True, normalize=True)
+    assert loo[0] < -100
+    group = group_advantages(rewards, 8, leave_one_out=True, normalize=True, std_over="group")
+    assert group.abs().max() <= 8**0.5
+    extreme = torch.tensor([1.0] + [0.0] * 7)  # the bound is reached by a lone outlier
+    edge = group_advantages(extreme, 8, leave_one_out=True, normalize=True, std_over="group")
+    torch.testing.assert_close(edge[0], torch.tensor(8**0.5), atol=1e-4, rtol=0)
+    noisy = torch.rand(64, generator=torch.Generator().manual_seed(1)) ** 8  # many near-ties
+    bounded = group_advantages(noisy, 8, leave_one_out=True, normalize=True, std_over="group")
+    assert bounded.abs().max() <= 8**0.5

@@ -171,6 +171,8 @@ def test_summary_names_each_variant() -> None:
     )
     assert "16 prompts per round, up to 10 rounds for 8 informative groups" in dapo
     assert "overlong penalty up to 1 over tokens 48..64" in dapo and "truncated responses masked" in dapo
+    assert "unbounded with the overlong penalty" in dapo and "advantage_std=group bounds" in dapo
+    assert "unbounded" not in summary("grpo.reward_shaping.enabled=true", "grpo.advantage_std=group")
     assert "synchronous: generate, then train" in summary()
     assert "one response per sample" in summary()
     assert "episodes of up to 3 model turn(s) with the tools environment" in summary(

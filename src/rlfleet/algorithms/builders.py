@@ -344,15 +344,21 @@ class GRPOSettings:
     max_trajectory_age: int | None
 
 
-def grpo_settings(cfg: MasterConfig, layout: ResourceLayout) -> GRPOSettings:
-    # every key is read whether or not its feature is on (a key nothing reads would be silently ignored)
-    grpo, generation = cfg.grpo, cfg.policy.generation
-    shaping_cfg = grpo.reward_shaping
+def overlong_shaping(cfg: MasterConfig) -> OverlongShaping | None:
+    """The overlong penalty ``grpo.reward_shaping`` configures, or None when it is off (its keys are read
+    either way: a key nothing reads would be silently ignored)."""
+    shaping_cfg = cfg.grpo.reward_shaping
     shaping = OverlongShaping(
-        shaping_cfg.max_response_length or generation.max_new_tokens,
+        shaping_cfg.max_response_length or cfg.policy.generation.max_new_tokens,
         shaping_cfg.overlong_buffer_length,
         shaping_cfg.overlong_buffer_penalty,
     )
+    return shaping if shaping_cfg.enabled else None
+
+
+def grpo_settings(cfg: MasterConfig, layout: ResourceLayout) -> GRPOSettings:
+    # every key is read whether or not its feature is on (a key nothing reads would be silently ignored)
+    grpo, generation = cfg.grpo, cfg.policy.generation
     dynamic = grpo.use_dynamic_sampling
     per_round = int(grpo.num_prompts_per_step * grpo.batch_multiplier)
     rounds = grpo.dynamic_sampling_max_gen_batches
@@ -362,7 +368,7 @@ def grpo_settings(cfg: MasterConfig, layout: ResourceLayout) -> GRPOSettings:
         group_size=grpo.num_generations_per_prompt,
         prompts_per_round=per_round if dynamic else grpo.num_prompts_per_step,
         dynamic_sampling=(grpo.num_prompts_per_step, rounds) if dynamic else None,
-        shaping=shaping if shaping_cfg.enabled else None,
+        shaping=overlong_shaping(cfg),
         sampling=SamplingParams(
             generation.max_new_tokens, generation.temperature, generation.top_p, generation.top_k
         ),

@@ -58,6 +58,11 @@ def _std(cfg: MasterConfig) -> str:
     g = cfg.grpo
     if g.advantage_std == "group" or not g.use_leave_one_out_baseline:
         return "advantages / group std"
+    if g.reward_shaping.enabled:  # shaped rewards are continuous: see group_advantages
+        return (
+            "advantages / std of the other samples (unbounded with the overlong penalty's continuous "
+            "rewards, when a sample's peers nearly agree: grpo.advantage_std=group bounds |A| by sqrt(G))"
+        )
     return "advantages / std of the other samples"
 
 
