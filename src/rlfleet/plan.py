@@ -183,6 +183,18 @@ def _workers(cfg: MasterConfig, lay: ResourceLayout) -> str:
     return text + f" + {lay.gen_world} generation actor(s) (refit by broadcast from training rank 0)"
 
 
+def _jemalloc_hint(cfg: MasterConfig, plan: Plan, glibc_train: dict[str, float], trainable: int) -> str:
+    """What the training pass would save on jemalloc, and how to get it (glibc keeps part of what a
+    backward frees; SmolLM2's arithmetic recipe peaked at 7.5 GiB on glibc against 3.9 on jemalloc)."""
+    assert plan.parameters is not None
+    on_jemalloc = memory_plan(cfg, plan.layout, plan.parameters, trainable, allocator="jemalloc")
+    saved = (sum(glibc_train.values()) - sum(on_jemalloc.passes["train"].values())) / GIB
+    return (
+        f"    {'':<22}jemalloc would cut the train pass peak by {saved:.1f} GiB: "
+        "pip install 'rlfleet[ray]' (Ray's wheel ships it) or apt install libjemalloc2"
+    )
+
+
 def _memory_lines(cfg: MasterConfig, plan: Plan) -> list[str]:
     """The state of one training rank, each pass's peak by part, generation, and the machine's verdict."""
     assert plan.parameters is not None
@@ -205,6 +217,8 @@ def _memory_lines(cfg: MasterConfig, plan: Plan) -> list[str]:
     if not mem.on_gpu:
         knobs.append(f"{mem.allocator} malloc")
     lines.append(f"    {'':<22}{'; '.join(knobs)}")
+    if not mem.on_gpu and mem.allocator == "glibc":
+        lines.append(_jemalloc_hint(cfg, plan, mem.passes["train"], trainable))
     if mem.generation:
         detail = ", ".join(f"{k} {v / GIB:.2f}" for k, v in mem.generation.items())
         lines.append(f"  {'generation memory':<20}{sum(mem.generation.values()) / GIB:.1f} GiB ({detail})")

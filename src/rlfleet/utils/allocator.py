@@ -17,8 +17,8 @@ run will have). The library loaded, the variables are removed again so that
 the processes the run starts (the vLLM engine, reward workers, Ray) keep their own allocator.
 ``RLFLEET_ALLOCATOR=glibc`` keeps glibc's; ``RLFLEET_ALLOCATOR=jemalloc`` insists (an error if none is
 found); a path to a ``libjemalloc.so`` picks that one. The jemalloc found: Ray's wheel ships one
-(``ray/core/libjemalloc.so``, installed with ``rlfleet[ray]`` and ``make setup``), else the system's
-(Debian's ``libjemalloc2``).
+(``ray/core/libjemalloc.so``, installed with ``rlfleet[ray]``, ``make setup-dev`` and ``make train-smollm2``),
+else the system's (Debian's ``libjemalloc2``).
 """
 
 from __future__ import annotations
