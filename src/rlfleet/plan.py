@@ -31,6 +31,7 @@ from rlfleet.memory_plan import (
     memory_problems,
     trains_on_gpu,
 )
+from rlfleet.utils.allocator import find_jemalloc, how_to_get_jemalloc
 
 
 @dataclass(frozen=True)
@@ -189,9 +190,8 @@ def _jemalloc_hint(cfg: MasterConfig, plan: Plan, glibc_train: dict[str, float],
     assert plan.parameters is not None
     on_jemalloc = memory_plan(cfg, plan.layout, plan.parameters, trainable, allocator="jemalloc")
     saved = (sum(glibc_train.values()) - sum(on_jemalloc.passes["train"].values())) / GIB
-    return (
-        f"    {'':<22}jemalloc would cut the train pass peak by {saved:.1f} GiB: "
-        "pip install 'rlfleet[ray]' (Ray's wheel ships it) or apt install libjemalloc2"
+    return f"    {'':<22}jemalloc would cut the train pass peak by {saved:.1f} GiB: " + how_to_get_jemalloc(
+        find_jemalloc()
     )
 
 

@@ -58,6 +58,14 @@ def find_jemalloc() -> Path | None:
     return Path(name) if name else None
 
 
+def how_to_get_jemalloc(installed: Path | None) -> str:
+    """What a process on glibc's ``malloc`` should do to run on jemalloc: stop asking for glibc where one
+    is installed (``installed``), else install one."""
+    if installed is not None:
+        return f"unset {ENV} (jemalloc is installed: {installed})"
+    return "pip install 'rlfleet[ray]' (Ray's wheel ships it) or apt install libjemalloc2"
+
+
 def chosen_jemalloc(env: Mapping[str, str], platform: str = sys.platform) -> Path | None:
     """The jemalloc a training process should run on, from ``RLFLEET_ALLOCATOR`` (``auto`` when unset):
     None for glibc's ``malloc`` (asked for, not Linux, or none found under ``auto``)."""
