@@ -49,11 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.versus_trl import prepare_model, trl_trainer
 
-from rlfleet.algorithms.builders import overlong_shaping
-from rlfleet.algorithms.grpo import GRPO
-from rlfleet.algorithms.run import closing_run
+from rlfleet.algorithms.grpo import GRPO, overlong_shaping
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.config.resolved import policy_precision
+from rlfleet.runtime.loop import closing_run
 
 RECIPE = "grpo-smollm2-135m-arithmetic-cpu"
 log = logging.getLogger("time_to_accuracy")
@@ -205,8 +204,8 @@ def run_trl(case: Case, work: Path, use_vllm: bool) -> Snapshots:
     """TRL's ``GRPOTrainer`` on the same prompts (rendered by rlfleet), model, reward and budget."""
     from transformers import TrainerCallback
 
-    from rlfleet.algorithms.builders import load_prompts
     from rlfleet.models.loading import load_tokenizer
+    from rlfleet.runtime.components import load_prompts
 
     cfg = recipe(case, work / "trl-cfg")
     prompts = load_prompts(cfg, load_tokenizer(str(case.model_dir)), case.val_prompts).train

@@ -177,7 +177,7 @@ def kill_in_step(trainer: Any, step: int) -> None:
 def comparable_metrics(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """``metrics.jsonl`` records without the machine's measurements (timings, throughput), which no two runs
     share: what an interrupted-and-resumed run must reproduce exactly."""
-    from rlfleet.algorithms.run import MACHINE_METRICS
+    from rlfleet.runtime.loop import MACHINE_METRICS
 
     return [{k: v for k, v in r.items() if not k.startswith(MACHINE_METRICS)} for r in records]
 
@@ -334,28 +334,111 @@ def pytest_make_collect_report(
     return report
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A local Ray cluster for the module, never the one ``RAY_ADDRESS`` may name.
+# ------------------------------------------------------------------------- one Ray cluster per session
 
-    It has ``RAY_NUM_CPUS`` CPUs (a module-level constant of the test module; default 4). The test module is
-    pickled by value, so classes and functions defined in it reach the actors without importing ``tests``.
-    Runs find Ray initialised and leave it up; the fixture shuts it down after the module.
-    """
+RAY_SESSION_CPUS = 4  # what the largest layout of the suite takes (4 training ranks)
+RAY_RELEASE_WAIT_S = 30.0  # ray.kill and placement-group removal are asynchronous
+
+
+@dataclass
+class SessionRay:
+    """The in-process local Ray cluster the modules share: started the first time a module asks for one and
+    shut down at the end of the session, or earlier for a module that needs a cluster of its own or leaves
+    something of its runs behind (the next module then finds a fresh cluster, as each used to)."""
+
+    num_cpus: int | None = None  # of the cluster this object started and that is up; None: none
+
+    def ensure(self, num_cpus: int) -> None:
+        """A cluster of ``num_cpus`` CPUs up in this process, never the one ``RAY_ADDRESS`` may name."""
+        import ray
+
+        from rlfleet.distributed.cluster import connect_or_start
+
+        if self.num_cpus == num_cpus and ray.is_initialized():
+            return
+        ray.shutdown()  # a cluster of another size, or one a test started and left up
+        self.num_cpus = None
+        address = os.environ.pop("RAY_ADDRESS", None)
+        try:
+            connect_or_start(None, num_cpus=num_cpus, timeout_s=30.0)
+        finally:
+            if address is not None:
+                os.environ["RAY_ADDRESS"] = address
+        self.num_cpus = num_cpus
+
+    def stop(self) -> None:
+        import ray
+
+        if self.num_cpus is not None:
+            ray.shutdown()
+            self.num_cpus = None
+
+    def stop_unless_released(self) -> None:
+        """Shuts the cluster down unless, within ``RAY_RELEASE_WAIT_S``, every CPU and GPU is free again and
+        no placement group is left: what one module's runs hold must not reach the next module."""
+        if self.num_cpus is not None and not _ray_released(RAY_RELEASE_WAIT_S):
+            self.stop()
+
+
+def _ray_released(timeout_s: float) -> bool:
     import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not ray.is_initialized():
+            return False
+        total, free = ray.cluster_resources(), ray.available_resources()
+        groups = ray.util.placement_group_table().values()
+        if all(free.get(k, 0.0) == total.get(k, 0.0) for k in ("CPU", "GPU")) and all(
+            pg["state"] == "REMOVED" for pg in groups
+        ):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def session_ray() -> Iterator[SessionRay]:
+    """The session's Ray cluster (started lazily by :func:`ray_cluster`); shut down after the last test."""
+    cluster = SessionRay()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def no_ray(session_ray: SessionRay) -> None:
+    """No Ray initialised in this process, for a test whose run starts and stops a local Ray of its own: the
+    session's cluster is shut down (the next module that asks for one starts it again). Not for a module
+    that uses ``ray_cluster``: its later tests would find no cluster."""
+    import ray
+
+    session_ray.stop()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(request: pytest.FixtureRequest, session_ray: SessionRay) -> Iterator[None]:
+    """A local Ray cluster for the module, never the one ``RAY_ADDRESS`` may name: the session's.
+
+    It has ``RAY_SESSION_CPUS`` CPUs, or ``RAY_NUM_CPUS`` where the test module sets it (a cluster of that
+    size then replaces the session's). A module setting ``RAY_FRESH_CLUSTER = True`` gets a cluster started
+    after its own module fixtures (environment variables they set reach Ray's workers), shut down after it.
+    The test module is pickled by value, so classes and functions defined in it reach the actors without
+    importing ``tests``. Runs find Ray initialised and leave it up.
+    """
     from ray import cloudpickle
 
-    from rlfleet.distributed.cluster import connect_or_start
-
     cloudpickle.register_pickle_by_value(request.module)
-    address = os.environ.pop("RAY_ADDRESS", None)
-    try:
-        connect_or_start(None, num_cpus=getattr(request.module, "RAY_NUM_CPUS", 4), timeout_s=30.0)
-        yield
-    finally:
-        ray.shutdown()
-        if address is not None:
-            os.environ["RAY_ADDRESS"] = address
+    fresh = getattr(request.module, "RAY_FRESH_CLUSTER", False)
+    if fresh:
+        session_ray.stop()
+    session_ray.ensure(getattr(request.module, "RAY_NUM_CPUS", RAY_SESSION_CPUS))
+    yield
+    if fresh:
+        session_ray.stop()
+    else:
+        session_ray.stop_unless_released()
 
 
 @pytest.fixture

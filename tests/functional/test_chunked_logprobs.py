@@ -194,9 +194,9 @@ def test_a_model_that_transforms_its_logits_is_refused() -> None:
 
 
 def test_the_recipe_key_reaches_both_passes() -> None:
-    from rlfleet.algorithms.builders import micro_batching
     from rlfleet.config.describe import describe_algorithm
     from rlfleet.config.loader import load_recipe, resolve_recipe_path
+    from rlfleet.runtime.components import micro_batching
 
     for extra in ([], ["policy.sequence_packing.enabled=false", "policy.dynamic_batching.enabled=true"]):
         cfg = load_recipe(

@@ -4,6 +4,7 @@ the math environment equal to single-turn scoring, and one bad item costing that
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -11,14 +12,21 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlfleet.algorithms.episodes import EpisodeRunner, ObservationTemplate
-from rlfleet.algorithms.rollouts import sample_and_score
 from rlfleet.data import Example, Prompt, build_prompts
-from rlfleet.environments.runner import InProcessRunner, PooledRunner, build_environment, checked_outcome
+from rlfleet.environments.runner import (
+    STEP_IN_WORKER,
+    InProcessRunner,
+    PooledRunner,
+    build_environment,
+    checked_outcome,
+)
 from rlfleet.generation import GenerationResult, HFGenerationBackend, SamplingParams
 from rlfleet.policy.batch import collate
 from rlfleet.rewards import VerifierPool
+from rlfleet.rollouts.episodes import EpisodeRunner, ObservationTemplate
+from tests.functional.rewards_for_tests import first_digit_reward
 
+FIRST_DIGIT = "tests.functional.rewards_for_tests.first_digit_reward"
 SCRIPTED = "tests.functional.envs_for_tests:ScriptedEnv"
 FLAKY = "tests.functional.envs_for_tests:FlakyEnv"
 
@@ -177,14 +185,28 @@ def test_the_math_environment_scores_as_single_turn_grpo(model_and_tokenizer: tu
     examples = [Example(f"What is {i} + 1?", "", str(i + 1)) for i in range(4)]
     prompts = build_prompts(tokenizer, examples, system_prompt=None, max_prompt_tokens=None)[0]
     params = SamplingParams(max_new_tokens=8)
-    with VerifierPool("tests.functional.rewards_for_tests.first_digit_reward", 1, 5.0) as pool:
-        single, _ = sample_and_score(backend, prompts, pool, 3, params, seed=2)
+    # single-turn sampling and scoring by hand: G samples per prompt with the call's seed, then the reward
+    repeated = [p for p in prompts for _ in range(3)]
+    single = backend.generate([p.token_ids for p in repeated], params, seed=2)
+    rewards = [
+        first_digit_reward(p.text, r.text, p.example.gold) for p, r in zip(repeated, single, strict=True)
+    ]
     math = build_environment("math", {"reward_fn": "tests.functional.rewards_for_tests.first_digit_reward"})
-    runner = EpisodeRunner(backend, tokenizer, {"math": InProcessRunner("math", math)}, "math", 1, 256)
-    episodes = runner.run(prompts, 3, params, seed=2).rollouts
-    assert [r.result.token_ids for r in episodes] == [r.result.token_ids for r in single]
-    assert [r.reward for r in episodes] == [r.reward for r in single]
-    assert all(r.mask == (1,) * len(r.result.token_ids) for r in episodes)
+    pool = VerifierPool(STEP_IN_WORKER, 1, 5.0, convert=checked_outcome)
+    runners = {
+        "in-process": InProcessRunner("math", math),
+        "worker-processes": PooledRunner("math", "math", {"reward_fn": FIRST_DIGIT}, math, pool),
+    }
+    for runner in runners.values():
+        with closing(runner):
+            episodes = EpisodeRunner(backend, tokenizer, {"math": runner}, "math", 1, 256).run(
+                prompts, 3, params, seed=2
+            )
+        assert [r.result.token_ids for r in episodes.rollouts] == [r.token_ids for r in single]
+        assert [r.result.logprobs for r in episodes.rollouts] == [r.logprobs for r in single]
+        assert [r.result.text for r in episodes.rollouts] == [r.text for r in single]
+        assert [r.reward for r in episodes.rollouts] == rewards
+        assert all(r.mask == (1,) * len(r.result.token_ids) for r in episodes.rollouts)
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["in-process", "worker-processes"])

@@ -78,7 +78,9 @@ def _gsm8k_files(tmp_path: Path) -> tuple[Path, Path, Path, Path]:
 
 
 @pytest.mark.slow
-def test_every_schema_key_is_read_by_some_component(recorded: set[str], tiny_model_dir: Path, tmp_path: Path):
+def test_every_schema_key_is_read_by_some_component(
+    recorded: set[str], tiny_model_dir: Path, tmp_path: Path, no_ray: None
+) -> None:
     one_step = ["grpo.max_num_steps=1", "grpo.max_val_samples=4", DENSE]
     # A: GRPO on the built-in task with every logging backend and checkpointing on.
     cfg = small_grpo_config(

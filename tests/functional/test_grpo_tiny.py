@@ -113,7 +113,7 @@ def test_samples_and_metrics_files_are_readable(tiny_model_dir: Path, tmp_path: 
         "train/kl",
         "train/grad_norm",
         "timing/generation",
-        "timing/reward",
+        "timing/env",
         "timing/logprobs",
         "timing/training",
         "val/accuracy",

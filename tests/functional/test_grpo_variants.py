@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rlfleet.algorithms.grpo import GRPO
-from rlfleet.algorithms.run import MACHINE_METRICS
 from rlfleet.logging import read_metrics
+from rlfleet.runtime.loop import MACHINE_METRICS
 from tests.conftest import small_grpo_config
 
 DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"

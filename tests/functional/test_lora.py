@@ -12,7 +12,6 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rlfleet.algorithms.builders import build_backend, lora_settings
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.checkpoint import CheckpointError, export_hf
 from rlfleet.cli import main
@@ -26,6 +25,7 @@ from rlfleet.models.lora import LoRALinear, LoraSettings, LoraTargetError, Witho
 from rlfleet.policy.parallelize import is_checkpointed
 from rlfleet.policy.sharded_worker import ShardedPolicyWorker, ShardingSettings
 from rlfleet.policy.worker import PolicyWorker
+from rlfleet.runtime.components import build_backend, lora_settings
 from tests.conftest import TEST_OPTIMIZER, kill_in_step, pg_loss, small_grpo_config, worker_batch
 
 LORA = LoraSettings(dim=4, alpha=8.0)

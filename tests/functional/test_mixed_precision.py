@@ -17,7 +17,6 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from rlfleet.algorithms.builders import build_worker
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.checkpoint import export_hf
 from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
@@ -27,6 +26,7 @@ from rlfleet.models.loading import ModelSource
 from rlfleet.policy.build import build_policy_models, compute_autocast, require_master_dtype
 from rlfleet.policy.sharded_worker import ShardedPolicyWorker
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker, TrainablePolicy
+from rlfleet.runtime.components import build_worker
 from tests.conftest import TEST_OPTIMIZER as SETTINGS
 from tests.conftest import pg_loss, small_grpo_config, worker_batch
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from rlfleet.algorithms.grpo import GRPO
-from rlfleet.algorithms.run import MACHINE_METRICS
 from rlfleet.logging import read_metrics
+from rlfleet.runtime.loop import MACHINE_METRICS
 from tests.conftest import count_logprob_passes, small_grpo_config
 
 RAY = ["cluster.use_ray=true", "cluster.call_timeout_s=300", "cluster.placement_timeout_s=60"]

@@ -20,6 +20,7 @@ from rlfleet.logging import read_metrics
 from tests.functional.test_ray_vllm import trainer
 
 pytestmark = pytest.mark.slow
+RAY_FRESH_CLUSTER = True  # started after two_bound_cores, so its workers see the binding (conftest.py)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 import rlfleet.algorithms.grpo as grpo_module
-import rlfleet.algorithms.run as run_module
+import rlfleet.runtime.loop as run_module
 from rlfleet.algorithms.sft import SFT
 from rlfleet.data.errors import DataError
 from tests.conftest import small_grpo_config
@@ -30,7 +30,7 @@ def test_a_failed_constructor_leaves_no_worker_behind(
 ) -> None:
     module = run_module  # where both trainers start their components (start_run)
     started: dict[str, Any] = {}
-    real_policy, real_verifier = module.build_policy, module.build_verifier
+    real_policy, real_runners = module.build_policy, module.environment_runners
 
     def build_policy(*args: Any, **kwargs: Any) -> Any:
         policy, backend = real_policy(*args, **kwargs)
@@ -44,17 +44,17 @@ def test_a_failed_constructor_leaves_no_worker_behind(
         monkeypatch.setattr(policy, "close", close)
         return policy, backend
 
-    def build_verifier(*args: Any, **kwargs: Any) -> Any:
-        started["verifier"] = pool = real_verifier(*args, **kwargs)
-        started["pids"] = [pid for pid in pool.worker_pids if pid is not None]
-        return pool
+    def environment_runners(*args: Any, **kwargs: Any) -> Any:
+        started["runners"] = runners = real_runners(*args, **kwargs)
+        started["pids"] = [pid for pid in runners["math"].pool.worker_pids if pid is not None]
+        return runners
 
     def bad_data(*args: Any, **kwargs: Any) -> Any:
-        assert "verifier" in started, "the verifier pool should be running when this fails"
+        assert "runners" in started, "the math environment's workers should be running when this fails"
         raise DataError("val.jsonl line 3: no 'answer' field; fix the row")
 
     monkeypatch.setattr(module, "build_policy", build_policy)
-    monkeypatch.setattr(module, "build_verifier", build_verifier)
+    monkeypatch.setattr(module, "environment_runners", environment_runners)
     monkeypatch.setattr(module, failing, bad_data)
     cfg = small_grpo_config(tiny_model_dir, tmp_path, "env.math.num_workers=2")
 
@@ -63,7 +63,7 @@ def test_a_failed_constructor_leaves_no_worker_behind(
 
     assert len(started["pids"]) == 2
     left = [pid for pid in started["pids"] if _alive(pid)]
-    assert not left, f"reward workers {left} outlived the failed constructor"
+    assert not left, f"environment workers {left} outlived the failed constructor"
     assert not [p for p in multiprocessing.active_children() if p.name == "rlfleet-verifier"]
     assert started["policy_closed"]
 

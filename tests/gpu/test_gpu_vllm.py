@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from rlfleet.algorithms.builders import build_worker
 from rlfleet.generation.interface import SamplingParams
 from rlfleet.generation.vllm import VLLMGenerationBackend, VLLMSettings
 from rlfleet.policy.batch import collate
+from rlfleet.runtime.components import build_worker
 from tests.conftest import small_grpo_config
 
 pytestmark = pytest.mark.gpu
@@ -62,9 +62,9 @@ def test_multi_turn_episodes_on_the_gpu_engine_are_token_in_token_out(
 ) -> None:
     """Episodes of 3 turns with stop strings on the GPU vLLM engine: the training sequence holds the sampled
     ids, observations are masked, and the trainer's logprobs of the sampled tokens match the engine's."""
-    from rlfleet.algorithms.episodes import EpisodeRunner
     from rlfleet.data import Example, build_prompts
     from rlfleet.environments.runner import InProcessRunner, build_environment
+    from rlfleet.rollouts.episodes import EpisodeRunner
 
     worker, engine = worker_and_engine(tiny_vllm_model_dir, tmp_path, max_model_len=256)
     try:

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from rlfleet.algorithms.async_rollouts import RolloutPrefetcher, StaleTrajectoryError, trajectory_age
+from rlfleet.rollouts.prefetch import RolloutPrefetcher, StaleTrajectoryError, trajectory_age
 
 
 def test_collection_runs_beside_the_caller() -> None:

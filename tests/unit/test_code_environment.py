@@ -6,8 +6,6 @@ import gzip
 import importlib.util
 import json
 import sys
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -71,14 +69,21 @@ def test_load_humaneval_from_a_path(tmp_path: Path) -> None:
         load_humaneval(tmp_path / "missing.jsonl")
 
 
-# A few tasks of each shape: plain asserts, set-up then asserts, asserts in a loop, a helper in the prompt.
-SAMPLE = ["HumanEval/0", "HumanEval/2", "HumanEval/32", "HumanEval/38", "HumanEval/53", "HumanEval/151"]
+# A few tasks of each shape: plain asserts, set-up then asserts, asserts in a loop, a helper in the prompt;
+# and a few more spread to the end of the set. benchmarks/humaneval.py scores all 164.
+SAMPLE = [
+    *("HumanEval/0", "HumanEval/2", "HumanEval/32", "HumanEval/38", "HumanEval/53", "HumanEval/151"),
+    *("HumanEval/81", "HumanEval/107", "HumanEval/129", "HumanEval/163"),
+]
 
 
-def test_canonical_solutions_of_a_sample_score_one(problems: dict[str, CodeProblem]) -> None:
+def test_canonical_solutions_of_a_sample_score_one_and_a_broken_one_less(
+    problems: dict[str, CodeProblem],
+) -> None:
     for task in SAMPLE:
         report = run_tests(problems[task], problems[task]["canonical_solution"], LIMITS)
         assert report.fraction == 1.0 and report.total > 0, (task, report.result.observation)
+        assert score_completion(problems[task], "    return None\n", LIMITS) < 1.0, task
 
 
 def test_assert_true_is_not_counted(problems: dict[str, CodeProblem]) -> None:
@@ -139,17 +144,3 @@ def test_asserts_reported_before_a_hang_count(problems: dict[str, CodeProblem]) 
     hangs = "    if threshold < 0.1:\n        while True:\n            pass\n    return True\n"
     report = run_tests(problem, hangs, SandboxLimits(cpu_seconds=1, wall_seconds=3))
     assert report.result.cpu_limit_exceeded and report.passed == 1 and report.total == 7
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_every_canonical_solution_scores_one_and_a_broken_one_less(problems: dict[str, CodeProblem]) -> None:
-    def scores(completion: Callable[[CodeProblem], str]) -> dict[str, float]:
-        with ThreadPoolExecutor(2) as pool:
-            values = pool.map(lambda p: score_completion(p, completion(p), LIMITS), problems.values())
-            return dict(zip(problems, values, strict=True))
-
-    canonical = scores(lambda p: p["canonical_solution"])
-    assert [task for task, score in canonical.items() if score != 1.0] == []
-    broken = scores(lambda p: "    return None\n")
-    assert [task for task, score in broken.items() if score >= 1.0] == []

@@ -720,8 +720,8 @@ def test_vllm_max_model_len_below_the_sequence_budget_is_one_error_before_anythi
 
 
 def test_vllm_cfg_keys_resolve_into_the_engine_settings() -> None:
-    from rlfleet.algorithms.builders import vllm_settings
     from rlfleet.config import load_recipe, resolve_recipe_path
+    from rlfleet.runtime.components import vllm_settings
 
     path = resolve_recipe_path("grpo-tiny-arithmetic-cpu")
     cfg = load_recipe(path, ["policy.model_name=x", "policy.max_total_sequence_length=300"])

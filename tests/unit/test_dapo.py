@@ -4,8 +4,8 @@ rows a step with fewer than ``P x G`` rows trains on."""
 import pytest
 import torch
 
-from rlfleet.algorithms.dynamic_sampling import collect_informative_groups, informative_groups, trainable_rows
 from rlfleet.algorithms.overlong import mask_truncated, overlong_penalty, shape_overlong_rewards
+from rlfleet.rollouts.dynamic_sampling import collect_informative_groups, informative_groups, trainable_rows
 
 
 def test_overlong_penalty_by_hand():

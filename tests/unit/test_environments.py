@@ -9,7 +9,6 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from rlfleet.algorithms.episodes import ObservationTemplate
 from rlfleet.config import ConfigError, MasterConfig, check_config
 from rlfleet.data import DataError, load_task
 from rlfleet.data.arithmetic import tool_transcript
@@ -27,6 +26,7 @@ from rlfleet.environments.builtin import extract_code
 from rlfleet.environments.interface import MalformedReturn, split_return
 from rlfleet.models.tiny import CHAT_TEMPLATE, train_tokenizer
 from rlfleet.policy.batch import collate
+from rlfleet.rollouts.episodes import ObservationTemplate
 
 
 def convo(question: str, *answers: str) -> list[dict[str, str]]:

@@ -63,8 +63,8 @@ def test_peak_and_mfu() -> None:
 
 
 def test_flop_meter_on_a_known_gpu(tiny_model_dir) -> None:
-    from rlfleet.algorithms.builders import flop_meter
     from rlfleet.config import load_recipe, resolve_recipe_path
+    from rlfleet.runtime.components import flop_meter
     from rlfleet.utils.flops import FlopMeter
 
     cfg = load_recipe(

@@ -136,6 +136,8 @@ LAYERS = [
     {"data", "generation", "checkpoint", "logging", "deploy", "environments", "memory_plan"},
     {"policy"},
     {"distributed"},
+    {"rollouts"},
+    {"runtime"},
     {"algorithms"},
     {"plan", "demo", "cli"},
 ]

@@ -160,7 +160,7 @@ FULL_METRICS = {
     "train/num_tokens": 4312,
     "timing/total": 3.21,
     "timing/generation": 1.9,
-    "timing/reward": 0.01,
+    "timing/env": 0.01,
     "timing/logprobs": 0.3,
     "timing/training": 0.94,
     "timing/checkpoint": 0.0,
@@ -171,7 +171,7 @@ def test_format_step_line_full() -> None:
     line = format_step_line(12, 100, FULL_METRICS)
     assert line == (
         "step 12/100 | reward 0.438 | acc 0.500 | kl 0.0012 | loss -0.0131 | gnorm 0.82 | tok 4,312 | "
-        "time 3.2s (gen 1.9 rew 0.0 lp 0.3 train 0.9 ckpt 0.0, slowest gen 59%)"
+        "time 3.2s (gen 1.9 env 0.0 lp 0.3 train 0.9 ckpt 0.0, slowest gen 59%)"
     )
     with_mfu = format_step_line(12, 100, {**FULL_METRICS, "perf/training_mfu": 0.4123})
     assert with_mfu == line + " | mfu 41.2%"

@@ -100,8 +100,8 @@ def test_a_decay_needs_its_length() -> None:
 
 
 def test_recipe_keys_reach_the_worker_schedule() -> None:
-    from rlfleet.algorithms.builders import optimizer_settings
     from rlfleet.config.loader import load_recipe, resolve_recipe_path
+    from rlfleet.runtime.components import optimizer_settings
 
     cfg = load_recipe(
         resolve_recipe_path("grpo-smollm2-135m-arithmetic-cpu"),

@@ -14,7 +14,6 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlfleet.algorithms.builders import micro_batching
 from rlfleet.cli import main
 from rlfleet.config import load_recipe, resolve_recipe_path
 from rlfleet.config.describe import describe_algorithm
@@ -41,6 +40,7 @@ from rlfleet.models.tiny import TinyModelSpec, create_tiny_model
 from rlfleet.policy.batch import collate
 from rlfleet.policy.microbatch import MicroBatching
 from rlfleet.policy.worker import PolicyWorker
+from rlfleet.runtime.components import micro_batching
 from rlfleet.utils.memory import LiveTensorBytes
 from tests.conftest import TEST_OPTIMIZER, pg_loss
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlfleet.algorithms.builders import micro_batching
 from rlfleet.config import ConfigError, MasterConfig, check_config
 from rlfleet.policy.batch import collate
 from rlfleet.policy.logprobs import pack_rows
@@ -22,6 +21,7 @@ from rlfleet.policy.microbatch import (
     split_to_count,
 )
 from rlfleet.policy.packed_attention import sequence_bounds
+from rlfleet.runtime.components import micro_batching
 
 LENGTHS = [9, 3, 12, 5, 7, 2, 11, 4]
 

@@ -18,19 +18,9 @@ from typing import Literal
 
 import torch
 
+from rlfleet.rollouts.groups import by_group, flat_groups
+
 AdvantageStd = Literal["baseline_samples", "group"]
-
-
-def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
-    return rewards.reshape(-1, group_size)  # [P, G]
-
-
-def flat_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``[P]`` bool: the groups whose ``G`` rewards are all equal (zero advantage: no learning signal)."""
-    grouped = _grouped(rewards, group_size)
-    return grouped.amax(dim=1) == grouped.amin(dim=1)
 
 
 def leave_one_out_std(grouped: torch.Tensor) -> torch.Tensor:
@@ -66,7 +56,7 @@ def baseline_and_std(
     """
     if leave_one_out and group_size < 2:
         raise ValueError("a leave-one-out baseline needs at least 2 samples per prompt")
-    grouped = _grouped(rewards, group_size)
+    grouped = by_group(rewards, group_size)
     if leave_one_out:
         baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
     else:

@@ -1,102 +1,33 @@
-"""Measuring a policy on the validation prompts: the loops' validation and ``rlfleet eval``.
+"""``rlfleet eval``: pass@1 and pass@k of a recipe's model or a checkpoint on the validation prompts.
 
-Both sample and score with :func:`~rlfleet.algorithms.rollouts.sample_and_score` and count a response as
-correct by :func:`~rlfleet.rewards.correctness.is_correct`: validation reports ``val/accuracy`` (fraction
-correct) and ``val/reward`` (mean reward); ``rlfleet eval`` reports pass@1 and pass@k.
+The episodes are those training and validation run (:mod:`rlfleet.rollouts.evaluate`): the same
+environments, the same notion of a correct response.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from math import comb
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
-from rlfleet.algorithms.builders import build_policy, build_verifier, load_prompts
-from rlfleet.algorithms.envs import build_episode_runner, close_runners, environment_runners, prompt_tools
-from rlfleet.algorithms.episodes import EpisodeRunner
-from rlfleet.algorithms.rollouts import (
-    Rollout,
-    accuracy,
-    correct_per_group,
-    mean_response_length,
-    mean_reward,
-    sample_and_score,
-)
 from rlfleet.config import MasterConfig
 from rlfleet.config.layout import resource_layout
-from rlfleet.data import Prompt, load_task, resolve_system_prompt
-from rlfleet.generation import GenerationBackend, SamplingParams
+from rlfleet.data import load_task, resolve_system_prompt
+from rlfleet.generation import SamplingParams
 from rlfleet.logging import write_jsonl
-from rlfleet.rewards import ScoringPool
-
-
-@dataclass
-class EvalResult:
-    """Validation of one policy: one response per prompt."""
-
-    accuracy: float
-    reward: float
-    mean_response_length: float
-    samples: list[dict[str, Any]] = field(default_factory=list)
-    extra: dict[str, float] = field(default_factory=dict)  # the episodes' metrics (turns, tool calls...)
-
-    def metrics(self, prefix: str = "val") -> dict[str, float]:
-        return {
-            f"{prefix}/accuracy": self.accuracy,
-            f"{prefix}/reward": self.reward,
-            f"{prefix}/mean_response_length": self.mean_response_length,
-            **{f"{prefix}/{key}": value for key, value in self.extra.items()},
-        }
-
-
-def evaluate(
-    backend: GenerationBackend,
-    prompts: Sequence[Prompt],
-    verifier: ScoringPool,
-    params: SamplingParams,
-    seed: int,
-    num_samples_to_keep: int = 4,
-    episodes: EpisodeRunner | None = None,
-) -> EvalResult:
-    """Generates one response (or, with ``episodes``, one episode) per prompt and scores it: fraction
-    correct, mean reward, mean length (and the episodes' metrics)."""
-    rollouts, metrics = scored_rollouts(backend, prompts, verifier, 1, params, seed, episodes)
-    return EvalResult(
-        accuracy=accuracy(rollouts),
-        reward=mean_reward(rollouts),
-        mean_response_length=mean_response_length(rollouts),
-        samples=[r.sample() for r in rollouts[:num_samples_to_keep]],
-        extra=metrics,
-    )
-
-
-def scored_rollouts(
-    backend: GenerationBackend,
-    prompts: Sequence[Prompt],
-    verifier: ScoringPool,
-    group_size: int,
-    params: SamplingParams,
-    seed: int,
-    episodes: EpisodeRunner | None,
-) -> tuple[list[Rollout], dict[str, float]]:
-    """``group_size`` scored responses per prompt, or episodes with the environments; and their metrics."""
-    if episodes is None:
-        return sample_and_score(backend, prompts, verifier, group_size, params, seed)[0], {}
-    batch = episodes.run(prompts, group_size, params, seed)
-    return batch.rollouts, batch.metrics
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from ``n`` samples of which ``c`` are correct (Chen et al., 2021)."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - comb(n - c, k) / comb(n, k)
+from rlfleet.rollouts.environments import (
+    build_episode_runner,
+    close_runners,
+    environment_runners,
+    prompt_tools,
+)
+from rlfleet.rollouts.evaluate import pass_at_k
+from rlfleet.rollouts.rollout import (
+    correct_per_group,
+    mean_response_length,
+)
+from rlfleet.runtime.components import build_policy, load_prompts
 
 
 @dataclass(frozen=True)
@@ -156,12 +87,9 @@ def run_eval(
         prompts = load_prompts(cfg, policy.tokenizer, limit, examples, tools=prompt_tools(cfg, runners)).val
         n, greedy = eval_cfg.num_tests_per_prompt, eval_cfg.num_tests_per_prompt == 1
         params = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k, greedy=greedy)
-        episodes = None
-        if runners:
-            system_prompt = resolve_system_prompt(cfg.data)
-            episodes = build_episode_runner(cfg, layout, backend, policy.tokenizer, runners, system_prompt)
-        with build_verifier(cfg, layout) as verifier:
-            rollouts, _ = scored_rollouts(backend, prompts, verifier, n, params, eval_cfg.seed, episodes)
+        system_prompt = resolve_system_prompt(cfg.data)
+        episodes = build_episode_runner(cfg, backend, policy.tokenizer, runners, system_prompt)
+        rollouts = episodes.run(prompts, n, params, eval_cfg.seed).rollouts
     finally:
         close_runners(runners)
         policy.close()

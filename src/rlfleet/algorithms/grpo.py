@@ -1,11 +1,11 @@
 """GRPO: group-relative policy optimisation, one loop that reads like the algorithm.
 
 A step is a pipeline of named stages (:meth:`GRPO.step`): collect (``P`` prompts, ``G`` scored responses
-each; :mod:`rlfleet.algorithms.collect`, the stage a multi-turn environment replaces) -> shape rewards ->
+each; :mod:`rlfleet.rollouts.collect`, the stage a multi-turn environment replaces) -> shape rewards ->
 advantages (leave-one-out, within each group) -> masks (the training batch: overlong filtering, whole
 global batches) -> update (logprobs of the current (``prev``) and reference policies, then clipped
 policy-gradient steps with a KL penalty) -> refit the generation weights; the run around it validates,
-checkpoints and logs (:mod:`rlfleet.algorithms.run`).
+checkpoints and logs (:mod:`rlfleet.runtime.loop`).
 
 No pass is computed twice: when the step's ``P x G`` rows make exactly one optimizer step
 (``policy.train_global_batch_size``), ``prev`` is the training forward's own logprobs, detached, instead of a
@@ -18,7 +18,7 @@ advantage is divided by the std of the same other samples only where it is non-z
 the whole global batch (``loss_fn.token_level_loss``).
 
 Variants, switched by config: DAPO's dynamic sampling (``grpo.use_dynamic_sampling``, see
-:mod:`rlfleet.algorithms.dynamic_sampling`), overlong reward shaping and filtering (``grpo.reward_shaping``,
+:mod:`rlfleet.rollouts.dynamic_sampling`), overlong reward shaping and filtering (``grpo.reward_shaping``,
 ``grpo.overlong_filtering``, see :mod:`rlfleet.algorithms.overlong`), clip-higher
 (``loss_fn.ratio_clip_max``), GSPO (``loss_fn.sequence_level_importance_ratios``), Dr.GRPO
 (``grpo.normalize_rewards=false`` + ``loss_fn.max_length_normalization``) and the bounded
@@ -29,7 +29,7 @@ of it in one optimizer step when that is less than a global batch.
 Asynchronous GRPO (``grpo.async_grpo.enabled``, dedicated generation workers): the next step's rollouts are
 collected in a background thread while this step trains, and the engines are refitted once both are done;
 each batch is then one policy version old (``train/trajectory_age``), which the importance-sampling
-correction accounts for (see :mod:`rlfleet.algorithms.async_rollouts`, also for what a resume regenerates).
+correction accounts for (see :mod:`rlfleet.rollouts.prefetch`, also for what a resume regenerates).
 """
 
 from __future__ import annotations
@@ -41,20 +41,22 @@ from typing import Any
 import torch
 
 from rlfleet.algorithms.advantages import group_advantages, zero_variance_fraction
-from rlfleet.algorithms.async_rollouts import RolloutPrefetcher
-from rlfleet.algorithms.builders import GRPOSettings, flop_meter, grpo_settings
-from rlfleet.algorithms.collect import Collected, GroupCollector
-from rlfleet.algorithms.dynamic_sampling import trainable_rows
-from rlfleet.algorithms.evaluation import evaluate
-from rlfleet.algorithms.overlong import mask_truncated
-from rlfleet.algorithms.rollouts import Rollout, accuracy, mean_response_length
-from rlfleet.algorithms.run import RunContext, closing_run, run_loop, start_run, step_seed
+from rlfleet.algorithms.overlong import OverlongShaping, mask_truncated
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
-from rlfleet.config.layout import resource_layout
-from rlfleet.generation import GenerationBackend
+from rlfleet.config.layout import ResourceLayout, resource_layout
+from rlfleet.config.resolved import truncation_type
+from rlfleet.generation import GenerationBackend, SamplingParams
 from rlfleet.memory_plan import ensure_fits
 from rlfleet.policy.batch import TrainBatch, collate
-from rlfleet.policy.microbatch import computed_rows
+from rlfleet.policy.loss_functions import ClippedPGLossFn
+from rlfleet.policy.microbatch import MicroBatching, computed_rows
+from rlfleet.rollouts.collect import Collected, GroupCollector
+from rlfleet.rollouts.dynamic_sampling import trainable_rows
+from rlfleet.rollouts.evaluate import evaluate
+from rlfleet.rollouts.prefetch import RolloutPrefetcher
+from rlfleet.rollouts.rollout import Rollout, accuracy, mean_response_length
+from rlfleet.runtime.components import flop_meter, micro_batching
+from rlfleet.runtime.loop import RunContext, closing_run, run_loop, start_run, step_seed
 from rlfleet.utils.memory import resident_bytes, take_peak_resident_bytes
 from rlfleet.utils.timing import PhaseTimer
 
@@ -141,17 +143,14 @@ class GRPO:
             batch_size=self.settings.prompts_per_round,
             max_num_steps=grpo.max_num_steps,
             max_num_epochs=grpo.max_num_epochs,
-            with_environments=True,
         )
         self.collect = GroupCollector(
-            self.backend,
-            self.ctx.verifier,
+            self.ctx.episodes,
             self.ctx.loader,
             self.settings.sampling,
             self.settings.group_size,
             self._round_seed,
             self.settings.dynamic_sampling,
-            episodes=self.ctx.episodes,
         )
         try:
             self.flops = flop_meter(cfg, self.ctx.policy, layout)  # MFU on GPUs with a known peak
@@ -339,14 +338,7 @@ class GRPO:
 
     def validate(self) -> dict[str, float]:
         seed = step_seed(self.cfg.grpo.seed, self.ctx.step, salt=1)
-        result = evaluate(
-            self.backend,
-            self.data.val,
-            self.ctx.verifier,
-            self.settings.validation_sampling,
-            seed,
-            episodes=self.ctx.episodes,
-        )
+        result = evaluate(self.ctx.episodes, self.data.val, self.settings.validation_sampling, seed)
         return result.metrics("val")
 
     def train(self) -> dict[str, float]:
@@ -392,7 +384,7 @@ def trained_logprobs(
 
 
 def collected_timing(collected: Collected) -> dict[str, float]:
-    """``timing/generation`` and ``timing/reward`` of the collection (in the background when asynchronous)."""
+    """``timing/generation`` and ``timing/env`` of the collection (in the background when asynchronous)."""
     return {f"timing/{k}": v for k, v in collected.seconds.items()}
 
 
@@ -408,3 +400,98 @@ def trainer_memory_metrics() -> dict[str, float]:
 def grpo_train(cfg: MasterConfig) -> dict[str, float]:
     """Runs (or resumes) GRPO as configured; returns the last step's metrics."""
     return GRPO(cfg).train()
+
+
+def loss_fn_from_config(cfg: MasterConfig) -> ClippedPGLossFn:
+    """GRPO's loss as ``loss_fn`` configures it (the truncation type resolved as ``validate`` prints it)."""
+    loss = cfg.loss_fn
+    return ClippedPGLossFn(
+        eps_low=loss.ratio_clip_min,
+        eps_high=loss.ratio_clip_max,
+        dual_clip_c=loss.ratio_clip_c,
+        kl_penalty=loss.reference_policy_kl_penalty,
+        kl_type=loss.reference_policy_kl_type,
+        use_on_policy_kl_approximation=loss.use_on_policy_kl_approximation,
+        kl_input_clamp=loss.kl_input_clamp_value,
+        kl_output_clamp=loss.kl_output_clamp_value,
+        token_level=loss.token_level_loss,
+        importance_sampling_correction=loss.use_importance_sampling_correction,
+        truncation=truncation_type(loss),
+        truncation_ratio_max=loss.truncated_importance_sampling_ratio,
+        truncation_ratio_min=loss.truncated_importance_sampling_ratio_min,
+        sequence_level_ratios=loss.sequence_level_importance_ratios,
+        max_length=cfg.policy.generation.max_new_tokens if loss.max_length_normalization else None,
+    )
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """What a GRPO run does, resolved once from the config (the loop reads these, never ``cfg`` sections).
+
+    Attributes:
+        loss_fn: The clipped policy-gradient loss.
+        group_size: ``G``, responses per prompt.
+        prompts_per_round: Prompts each generation round draws (DAPO's ``batch_multiplier`` applied).
+        dynamic_sampling: DAPO's ``(target groups, most rounds)``, or None.
+        shaping: DAPO's overlong reward shaping, or None.
+        sampling: Sampling of the training rollouts.
+        validation_sampling: Sampling of validation (greedy unless ``grpo.val_greedy=false``).
+        train_batching: How the training pass splits its rows.
+        logprob_batching: How the logprob passes split their rows.
+        data_parallel: Training ranks that split a global batch.
+        max_trajectory_age: Asynchronous GRPO's age bound, or None when synchronous.
+    """
+
+    loss_fn: ClippedPGLossFn
+    group_size: int
+    prompts_per_round: int
+    dynamic_sampling: tuple[int, int] | None
+    shaping: OverlongShaping | None
+    sampling: SamplingParams
+    validation_sampling: SamplingParams
+    train_batching: MicroBatching
+    logprob_batching: MicroBatching
+    data_parallel: int
+    max_trajectory_age: int | None
+
+
+def overlong_shaping(cfg: MasterConfig) -> OverlongShaping | None:
+    """The overlong penalty ``grpo.reward_shaping`` configures, or None when it is off (its keys are read
+    either way: a key nothing reads would be silently ignored)."""
+    shaping_cfg = cfg.grpo.reward_shaping
+    shaping = OverlongShaping(
+        shaping_cfg.max_response_length or cfg.policy.generation.max_new_tokens,
+        shaping_cfg.overlong_buffer_length,
+        shaping_cfg.overlong_buffer_penalty,
+    )
+    return shaping if shaping_cfg.enabled else None
+
+
+def grpo_settings(cfg: MasterConfig, layout: ResourceLayout) -> GRPOSettings:
+    # every key is read whether or not its feature is on (a key nothing reads would be silently ignored)
+    grpo, generation = cfg.grpo, cfg.policy.generation
+    dynamic = grpo.use_dynamic_sampling
+    per_round = int(grpo.num_prompts_per_step * grpo.batch_multiplier)
+    rounds = grpo.dynamic_sampling_max_gen_batches
+    max_age = grpo.async_grpo.max_trajectory_age_steps
+    return GRPOSettings(
+        loss_fn=loss_fn_from_config(cfg),
+        group_size=grpo.num_generations_per_prompt,
+        prompts_per_round=per_round if dynamic else grpo.num_prompts_per_step,
+        dynamic_sampling=(grpo.num_prompts_per_step, rounds) if dynamic else None,
+        shaping=overlong_shaping(cfg),
+        sampling=SamplingParams(
+            generation.max_new_tokens, generation.temperature, generation.top_p, generation.top_k
+        ),
+        validation_sampling=SamplingParams(
+            generation.max_new_tokens,
+            generation.temperature,
+            generation.top_p,
+            generation.top_k,
+            greedy=grpo.val_greedy,
+        ),
+        train_batching=micro_batching(cfg, "train"),
+        logprob_batching=micro_batching(cfg, "logprob"),
+        data_parallel=layout.train_dp,
+        max_trajectory_age=max_age if grpo.async_grpo.enabled else None,
+    )

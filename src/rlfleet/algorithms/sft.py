@@ -11,9 +11,6 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from rlfleet.algorithms.builders import micro_batching
-from rlfleet.algorithms.evaluation import evaluate
-from rlfleet.algorithms.run import RunContext, run_loop, start_run, step_seed
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
 from rlfleet.config.layout import resource_layout
 from rlfleet.data import Prompt
@@ -22,6 +19,9 @@ from rlfleet.generation import GenerationBackend, SamplingParams
 from rlfleet.memory_plan import ensure_fits
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import NLLLossFn
+from rlfleet.rollouts.evaluate import evaluate
+from rlfleet.runtime.components import micro_batching
+from rlfleet.runtime.loop import RunContext, run_loop, start_run, step_seed
 from rlfleet.utils.timing import PhaseTimer
 
 
@@ -45,7 +45,7 @@ class SFT:
     """Supervised fine-tuning: ``SFT(cfg).train()`` runs (or resumes) the configured job."""
 
     backend: GenerationBackend
-    ctx: RunContext  # the policy (``ctx.policy``), the reward workers, the loader, logger and checkpoints
+    ctx: RunContext  # the policy (``ctx.policy``), the episodes, the loader, logger and checkpoints
 
     def __init__(self, cfg: MasterConfig) -> None:
         layout = resource_layout(cfg)  # computed once for the checks and the run
@@ -81,7 +81,7 @@ class SFT:
         params = SamplingParams(self.cfg.policy.generation.max_new_tokens, greedy=True)
         seed = step_seed(self.cfg.sft.seed, self.ctx.step, salt=1)
         self.backend.refit()  # engines holding their own copy see the trained weights
-        return evaluate(self.backend, self.data.val, self.ctx.verifier, params, seed).metrics("val")
+        return evaluate(self.ctx.episodes, self.data.val, params, seed).metrics("val")
 
     def train(self) -> dict[str, float]:
         sft = self.cfg.sft

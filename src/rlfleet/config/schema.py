@@ -45,7 +45,7 @@ class RewardShapingConfig(Strict):
 class AsyncGRPOConfig(Strict):
     """Asynchronous GRPO (NeMo RL ``grpo.async_grpo``): with dedicated generation workers, the next step's
     rollouts are generated and scored while the current step trains (see
-    :mod:`rlfleet.algorithms.async_rollouts`)."""
+    :mod:`rlfleet.rollouts.prefetch`)."""
 
     enabled: bool = Field(False, description="Overlap the next step's generation with this step's training.")
     max_trajectory_age_steps: int = Field(

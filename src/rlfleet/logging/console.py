@@ -39,7 +39,7 @@ _FIELDS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
 _TIMINGS: tuple[tuple[str, str], ...] = (
     ("timing/generation", "gen"),
     ("timing/generation_wait", "wait"),
-    ("timing/reward", "rew"),
+    ("timing/env", "env"),
     ("timing/logprobs", "lp"),
     ("timing/training", "train"),
     ("timing/refit", "refit"),
@@ -90,7 +90,7 @@ def format_step_line(step: int, total: int, metrics: Mapping[str, float]) -> str
     """Formats one step's metrics as a single human-readable line.
 
     Example: ``step 12/100 | reward 0.438 | acc 0.500 | kl 0.0012 | loss -0.0131 | gnorm 0.82 |
-    tok 4,312 | time 3.2s (gen 1.9 rew 0.0 lp 0.3 train 0.9 ckpt 0.0, slowest gen 59%) | val_acc 0.530``.
+    tok 4,312 | time 3.2s (gen 1.9 env 0.0 lp 0.3 train 0.9 ckpt 0.0, slowest gen 59%) | val_acc 0.530``.
     ``mfu`` (model FLOPs utilisation of the training pass) appears where it is measured (on GPUs).
     Missing (or ``None``) metrics are skipped.
     """

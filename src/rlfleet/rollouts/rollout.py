@@ -1,9 +1,9 @@
-"""Rollouts: sample ``G`` responses per prompt and score each one, the step GRPO, validation and
-``rlfleet eval`` share.
+"""A rollout (one scored episode: a prompt, the tokens after it and the reward) and the statistics the loops
+report over a batch of them.
 
-GRPO calls the two halves (:func:`generate_rollouts`, then :func:`score`) so that it can time them apart;
-validation and evaluation call :func:`sample_and_score`. Whether a response is correct is decided by
-:func:`rlfleet.rewards.correctness.is_correct` alone.
+Rollouts come from :class:`~rlfleet.rollouts.episodes.EpisodeRunner`, the one path of GRPO, validation and
+``rlfleet eval``: a single-turn row is a one-turn episode of the ``math`` environment. Whether a response is
+correct is decided by :func:`rlfleet.rewards.correctness.is_correct` alone.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rlfleet.data import Prompt
-from rlfleet.generation import GenerationBackend, GenerationResult, SamplingParams
-from rlfleet.rewards import RewardBatch, ScoringPool
+from rlfleet.generation import GenerationResult
 from rlfleet.rewards.correctness import is_correct
 
 
@@ -26,7 +25,8 @@ class Rollout:
         result: The tokens after the prompt and their logprobs (an episode's: every turn and observation).
         reward: The reward (an episode's return).
         mask: 1 on the tokens the model sampled, 0 on observation tokens; None: every token is sampled.
-        conversation: An episode's messages, turn by turn; None for a single response.
+        conversation: A multi-turn episode's messages, turn by turn; None for a single-turn one (its
+            prompt and response say it all).
         info: An episode's counters (``turns``, ``cut``, ``tool_calls``...).
     """
 
@@ -59,36 +59,6 @@ class Rollout:
             record["conversation"] = list(self.conversation)
             record.update(self.info or {})
         return record
-
-
-def generate_rollouts(
-    backend: GenerationBackend, prompts: Sequence[Prompt], group_size: int, params: SamplingParams, seed: int
-) -> list[tuple[Prompt, GenerationResult]]:
-    """Samples ``group_size`` responses per prompt; the samples of a prompt are contiguous."""
-    repeated = [p for p in prompts for _ in range(group_size)]
-    results = backend.generate([p.token_ids for p in repeated], params, seed)
-    return list(zip(repeated, results, strict=True))
-
-
-def score(
-    pairs: Sequence[tuple[Prompt, GenerationResult]], verifier: ScoringPool
-) -> tuple[list[Rollout], RewardBatch]:
-    """Rewards every response with the verifier pool (bounded time per response)."""
-    batch = verifier.score([(p.text, r.text, p.example.gold) for p, r in pairs])
-    rollouts = [Rollout(p, r, float(x)) for (p, r), x in zip(pairs, batch.rewards, strict=True)]
-    return rollouts, batch
-
-
-def sample_and_score(
-    backend: GenerationBackend,
-    prompts: Sequence[Prompt],
-    verifier: ScoringPool,
-    group_size: int,
-    params: SamplingParams,
-    seed: int,
-) -> tuple[list[Rollout], RewardBatch]:
-    """``group_size`` scored responses per prompt, the samples of a prompt contiguous."""
-    return score(generate_rollouts(backend, prompts, group_size, params, seed), verifier)
 
 
 def accuracy(rollouts: Sequence[Rollout]) -> float:

@@ -1,4 +1,7 @@
-"""Multi-turn episodes: the model and its environments take turns, token in, token out.
+"""Episodes, the one way rollouts are made: the model and its environments take turns, token in, token out.
+
+A single-turn task is a one-turn episode: the ``math`` environment scores the first answer and ends the
+episode (as NeMo RL runs math), so GRPO, validation and ``rlfleet eval`` share this path whatever the task.
 
 Each turn, every running episode's context (its prompt, then every token so far) goes to the engine, which
 samples the model's turn, stopping at EOS or at a stop string the environment asked for (``</tool_call>``);
@@ -11,7 +14,7 @@ ran out of tokens, not ``finished``).
 Token in, token out: the training sequence holds the exact ids the engine sampled for each model turn and
 their logprobs, never a re-tokenisation of their text; observation tokens (and the end-of-turn tokens the
 template adds after a turn that stopped at a stop string) are context, masked out of the loss
-(:attr:`~rlfleet.algorithms.rollouts.Rollout.mask`) and out of the response-length counts.
+(:attr:`~rlfleet.rollouts.rollout.Rollout.mask`) and out of the response-length counts.
 
 Seeds stay batch-invariant per turn: episode ``i`` of a call seeded ``s`` samples its first turn from
 ``row_seeds(s, n)[i]``, exactly the seed a single-turn rollout of the same row uses, and turn ``t`` from a
@@ -28,13 +31,13 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from rlfleet.algorithms.rollouts import Rollout
 from rlfleet.data import Prompt
 from rlfleet.environments.interface import Message
 from rlfleet.environments.runner import EnvRunner
 from rlfleet.errors import UserError
 from rlfleet.generation import GenerationBackend, GenerationResult, SamplingParams
 from rlfleet.generation.sampling import row_seeds
+from rlfleet.rollouts.rollout import Rollout
 
 _MARK = "\x00rlfleet-turn\x00"
 
@@ -236,8 +239,7 @@ class EpisodeRunner:
         if len(result.token_ids) > budget or (len(ids) == budget and not result.finished):
             episode.cut = True  # the sequence budget ended this turn
         episode.append(ids, logprobs)
-        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
-        assert isinstance(text, str)
+        text = result.text if len(ids) == len(result.token_ids) else self._decode(ids, skip_special=True)
         episode.messages.append({"role": "assistant", "content": text})
         episode.turns += 1
 
@@ -273,8 +275,14 @@ class EpisodeRunner:
     # ------------------------------------------------------------------------------------------ results
 
     def _rollout(self, episode: Episode) -> Rollout:
-        text = self.tokenizer.decode(episode.token_ids, skip_special_tokens=False)
-        assert isinstance(text, str)
+        """The episode as a rollout; a single-turn one (no observation) reads exactly as its one response:
+        the engine's text, no conversation."""
+        single_turn = episode.turns == 1  # no observation follows a last turn
+        text = (
+            episode.messages[-1]["content"]
+            if single_turn
+            else self._decode(episode.token_ids, skip_special=False)
+        )
         result = GenerationResult(
             token_ids=tuple(episode.token_ids),
             logprobs=tuple(episode.logprobs),
@@ -292,9 +300,14 @@ class EpisodeRunner:
             result,
             episode.reward,
             mask=tuple(episode.mask),
-            conversation=tuple(episode.messages),
+            conversation=None if single_turn else tuple(episode.messages),
             info=info,
         )
+
+    def _decode(self, ids: Sequence[int], skip_special: bool) -> str:
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+        assert isinstance(text, str)  # one sequence decodes to one string
+        return text
 
     def _metrics(self, episodes: list[Episode]) -> dict[str, float]:
         n = max(len(episodes), 1)

@@ -1,8 +1,9 @@
 """Building the recipe's environments (``env.<name>``) and the episode runner that uses them.
 
-Runs use episodes (:mod:`rlfleet.algorithms.episodes`) when ``grpo.max_rollout_turns > 1``, or when the
-default environment (``data.env_name``) or a data row's ``task_name`` is not ``math``; otherwise the math
-reward scores single responses in the verifier pool, exactly as the ``math`` environment would.
+Every run rolls out episodes (:mod:`rlfleet.rollouts.episodes`) with the environments its rows use: the
+default one (``data.env_name``, ``math`` unless set) and those rows name (``task_name``). A single-turn math
+task is a one-turn episode of ``math``, scored in ``env.math.num_workers`` worker processes (Ray actors on
+Ray), each step within ``env.math.timeout_s``.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from rlfleet.algorithms.episodes import EpisodeRunner
 from rlfleet.config import MasterConfig
 from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.layout import ResourceLayout
 from rlfleet.data import Example
+from rlfleet.environments.builtin import BUILTIN
 from rlfleet.environments.runner import (
     STEP_IN_WORKER,
     EnvRunner,
@@ -29,8 +30,7 @@ from rlfleet.environments.runner import (
 from rlfleet.errors import UserError
 from rlfleet.generation import GenerationBackend
 from rlfleet.rewards import ScoringPool, VerifierPool
-
-BUILTIN_NAMES = ("math", "tools", "code")
+from rlfleet.rollouts.episodes import EpisodeRunner
 
 
 def environment_settings(cfg: MasterConfig, name: str) -> tuple[str, dict[str, Any], int, float]:
@@ -62,7 +62,7 @@ def environment_settings(cfg: MasterConfig, name: str) -> tuple[str, dict[str, A
         return "code", settings, c.num_workers, c.timeout_s
     custom = env.custom()
     if name not in custom:
-        known = sorted([*BUILTIN_NAMES, *custom])
+        known = sorted([*BUILTIN, *custom])
         raise UserError(
             f"environment {name!r} is not configured (known: {', '.join(known)}); set data.env_name to "
             f"one of "
@@ -70,12 +70,6 @@ def environment_settings(cfg: MasterConfig, name: str) -> tuple[str, dict[str, A
         )
     entry = custom[name]
     return entry.environment, dict(entry.cfg), entry.num_workers, entry.timeout_s
-
-
-def uses_episodes(cfg: MasterConfig, examples: Iterable[Example] = ()) -> bool:
-    """Whether the run rolls out episodes with environments rather than scoring single responses."""
-    names = {cfg.data.env_name, *(ex.env for ex in examples if ex.env is not None)}
-    return cfg.grpo.max_rollout_turns > 1 or names != {"math"}
 
 
 def environment_names(cfg: MasterConfig, examples: Iterable[Example]) -> list[str]:
@@ -125,19 +119,17 @@ def build_env_runners(
 def environment_runners(
     cfg: MasterConfig, layout: ResourceLayout, examples: Iterable[Example]
 ) -> dict[str, EnvRunner]:
-    """The runners of the environments the rows use, or none when the run scores single responses."""
-    rows = list(examples)
-    return build_env_runners(cfg, layout, environment_names(cfg, rows) if uses_episodes(cfg, rows) else [])
+    """The runners of the environments the rows use (the default one for rows naming none)."""
+    return build_env_runners(cfg, layout, environment_names(cfg, examples))
 
 
 def prompt_tools(cfg: MasterConfig, runners: Mapping[str, EnvRunner]) -> Sequence[Mapping[str, Any]] | None:
-    """The tool schemas the prompts render: the default environment's, when episodes run."""
-    return runners[cfg.data.env_name].environment.tools if runners else None
+    """The tool schemas the prompts render: the default environment's (None for ``math``)."""
+    return runners[cfg.data.env_name].environment.tools
 
 
 def build_episode_runner(
     cfg: MasterConfig,
-    layout: ResourceLayout,
     backend: GenerationBackend,
     tokenizer: PreTrainedTokenizerBase,
     runners: Mapping[str, EnvRunner],

@@ -22,7 +22,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from rlfleet.algorithms.advantages import flat_groups
+from rlfleet.rollouts.groups import flat_groups
 
 T = TypeVar("T")
 

@@ -1,8 +1,8 @@
-"""Building a run's components from the config: the policy and its generation backend, the reward
-workers, the prompts.
+"""Building a run's components from the config: the policy and its generation backend, the prompts, the
+micro-batching of its passes.
 
 Each builder reads the config and hands the component explicit arguments; the loops call these and then
-wire the results together (see :mod:`rlfleet.algorithms.run`).
+wire the results together (see :mod:`rlfleet.runtime.loop`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from rlfleet.algorithms.overlong import OverlongShaping
 from rlfleet.config import MasterConfig
 from rlfleet.config.batching import Pass, micro_batch_rows, micro_batch_tokens
 from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.checks import Algorithm
 from rlfleet.config.layout import ResourceLayout, resource_layout
-from rlfleet.config.resolved import generation_backend, policy_precision, truncation_type
+from rlfleet.config.resolved import generation_backend, policy_precision
 from rlfleet.data import (
     Example,
     Prompt,
@@ -34,7 +33,6 @@ from rlfleet.data import (
 from rlfleet.generation import (
     GenerationBackend,
     HFGenerationBackend,
-    SamplingParams,
     VLLMGenerationBackend,
     VLLMSettings,
 )
@@ -42,12 +40,10 @@ from rlfleet.memory_plan import budget_basis, default_budget
 from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import lora_settings
 from rlfleet.policy.interface import Policy
-from rlfleet.policy.loss_functions import ClippedPGLossFn
 from rlfleet.policy.microbatch import MicroBatching
 from rlfleet.policy.schedule import LrSchedule
 from rlfleet.policy.sharded_worker import ShardingSettings
 from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
-from rlfleet.rewards import ScoringPool, VerifierPool
 from rlfleet.utils.flops import FlopMeter, peak_flops, shape_from_config
 
 log = logging.getLogger("rlfleet")
@@ -184,22 +180,6 @@ def build_policy(
         raise
 
 
-def build_verifier(cfg: MasterConfig, layout: ResourceLayout) -> ScoringPool:
-    """The reward workers, ``env.math.num_workers`` of them, each response bounded by ``timeout_s``.
-
-    Ray actors (restarted when they die) when the run is on Ray, else local processes. The caller owns
-    them: ``close()`` (or a ``with`` block) stops them.
-    """
-    math_env = cfg.env.math
-    if uses_ray(cfg, layout=layout):
-        from rlfleet.rewards.ray_pool import RayVerifierPool  # the ray extra
-
-        # Reward checks are short CPU bursts between the model phases: they reserve no CPU, so they never
-        # wait behind the bundles the training and generation workers hold.
-        return RayVerifierPool(math_env.reward_fn, math_env.num_workers, math_env.timeout_s, num_cpus=0)
-    return VerifierPool(math_env.reward_fn, math_env.num_workers, math_env.timeout_s)
-
-
 def prompt_budget(cfg: MasterConfig) -> int:
     """Longest prompt (tokens) that still leaves room for ``max_new_tokens`` in the sequence limit."""
     limit = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
@@ -289,98 +269,3 @@ def flop_meter(cfg: MasterConfig, policy: Policy, layout: ResourceLayout | None 
         model = AutoModelForCausalLM.from_config(model_source(cfg).load_config())
     world = (layout or resource_layout(cfg)).train_world
     return FlopMeter(shape_from_config(model), peak, world)
-
-
-def loss_fn_from_config(cfg: MasterConfig) -> ClippedPGLossFn:
-    """GRPO's loss as ``loss_fn`` configures it (the truncation type resolved as ``validate`` prints it)."""
-    loss = cfg.loss_fn
-    return ClippedPGLossFn(
-        eps_low=loss.ratio_clip_min,
-        eps_high=loss.ratio_clip_max,
-        dual_clip_c=loss.ratio_clip_c,
-        kl_penalty=loss.reference_policy_kl_penalty,
-        kl_type=loss.reference_policy_kl_type,
-        use_on_policy_kl_approximation=loss.use_on_policy_kl_approximation,
-        kl_input_clamp=loss.kl_input_clamp_value,
-        kl_output_clamp=loss.kl_output_clamp_value,
-        token_level=loss.token_level_loss,
-        importance_sampling_correction=loss.use_importance_sampling_correction,
-        truncation=truncation_type(loss),
-        truncation_ratio_max=loss.truncated_importance_sampling_ratio,
-        truncation_ratio_min=loss.truncated_importance_sampling_ratio_min,
-        sequence_level_ratios=loss.sequence_level_importance_ratios,
-        max_length=cfg.policy.generation.max_new_tokens if loss.max_length_normalization else None,
-    )
-
-
-@dataclass(frozen=True)
-class GRPOSettings:
-    """What a GRPO run does, resolved once from the config (the loop reads these, never ``cfg`` sections).
-
-    Attributes:
-        loss_fn: The clipped policy-gradient loss.
-        group_size: ``G``, responses per prompt.
-        prompts_per_round: Prompts each generation round draws (DAPO's ``batch_multiplier`` applied).
-        dynamic_sampling: DAPO's ``(target groups, most rounds)``, or None.
-        shaping: DAPO's overlong reward shaping, or None.
-        sampling: Sampling of the training rollouts.
-        validation_sampling: Sampling of validation (greedy unless ``grpo.val_greedy=false``).
-        train_batching: How the training pass splits its rows.
-        logprob_batching: How the logprob passes split their rows.
-        data_parallel: Training ranks that split a global batch.
-        max_trajectory_age: Asynchronous GRPO's age bound, or None when synchronous.
-    """
-
-    loss_fn: ClippedPGLossFn
-    group_size: int
-    prompts_per_round: int
-    dynamic_sampling: tuple[int, int] | None
-    shaping: OverlongShaping | None
-    sampling: SamplingParams
-    validation_sampling: SamplingParams
-    train_batching: MicroBatching
-    logprob_batching: MicroBatching
-    data_parallel: int
-    max_trajectory_age: int | None
-
-
-def overlong_shaping(cfg: MasterConfig) -> OverlongShaping | None:
-    """The overlong penalty ``grpo.reward_shaping`` configures, or None when it is off (its keys are read
-    either way: a key nothing reads would be silently ignored)."""
-    shaping_cfg = cfg.grpo.reward_shaping
-    shaping = OverlongShaping(
-        shaping_cfg.max_response_length or cfg.policy.generation.max_new_tokens,
-        shaping_cfg.overlong_buffer_length,
-        shaping_cfg.overlong_buffer_penalty,
-    )
-    return shaping if shaping_cfg.enabled else None
-
-
-def grpo_settings(cfg: MasterConfig, layout: ResourceLayout) -> GRPOSettings:
-    # every key is read whether or not its feature is on (a key nothing reads would be silently ignored)
-    grpo, generation = cfg.grpo, cfg.policy.generation
-    dynamic = grpo.use_dynamic_sampling
-    per_round = int(grpo.num_prompts_per_step * grpo.batch_multiplier)
-    rounds = grpo.dynamic_sampling_max_gen_batches
-    max_age = grpo.async_grpo.max_trajectory_age_steps
-    return GRPOSettings(
-        loss_fn=loss_fn_from_config(cfg),
-        group_size=grpo.num_generations_per_prompt,
-        prompts_per_round=per_round if dynamic else grpo.num_prompts_per_step,
-        dynamic_sampling=(grpo.num_prompts_per_step, rounds) if dynamic else None,
-        shaping=overlong_shaping(cfg),
-        sampling=SamplingParams(
-            generation.max_new_tokens, generation.temperature, generation.top_p, generation.top_k
-        ),
-        validation_sampling=SamplingParams(
-            generation.max_new_tokens,
-            generation.temperature,
-            generation.top_p,
-            generation.top_k,
-            greedy=grpo.val_greedy,
-        ),
-        train_batching=micro_batching(cfg, "train"),
-        logprob_batching=micro_batching(cfg, "logprob"),
-        data_parallel=layout.train_dp,
-        max_trajectory_age=max_age if grpo.async_grpo.enabled else None,
-    )

@@ -1,6 +1,6 @@
 """The run around a loop's step: resume, validate, checkpoint, log, and release everything at the end.
 
-Shared by SFT and GRPO. Each loop builds its components (:mod:`rlfleet.algorithms.builders`), hands them to
+Shared by SFT and GRPO. Each loop builds its components (:mod:`rlfleet.runtime.components`), hands them to
 :func:`make_context` and drives its ``step`` with :func:`run_loop`.
 """
 
@@ -14,9 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlfleet.algorithms.builders import TaskData, build_policy, build_verifier, load_prompts
-from rlfleet.algorithms.envs import build_episode_runner, close_runners, environment_runners, prompt_tools
-from rlfleet.algorithms.episodes import EpisodeRunner
 from rlfleet.checkpoint import CheckpointManager
 from rlfleet.config import MasterConfig, config_to_yaml
 from rlfleet.config.layout import ResourceLayout
@@ -24,7 +21,14 @@ from rlfleet.data import ResumableLoader, load_task, resolve_system_prompt
 from rlfleet.generation import GenerationBackend
 from rlfleet.logging import MetricsLogger, Progress, format_step_line, plot_run, read_metrics
 from rlfleet.policy.interface import Policy
-from rlfleet.rewards import ScoringPool
+from rlfleet.rollouts.environments import (
+    build_episode_runner,
+    close_runners,
+    environment_runners,
+    prompt_tools,
+)
+from rlfleet.rollouts.episodes import EpisodeRunner
+from rlfleet.runtime.components import TaskData, build_policy, load_prompts
 
 log = logging.getLogger("rlfleet")
 STEP_RECORD = "step_record"  # training_info.json key holding the step's metrics.jsonl record
@@ -46,11 +50,10 @@ class RunContext:
     loader: ResumableLoader[Any]
     logger: MetricsLogger
     checkpoints: CheckpointManager | None
-    verifier: ScoringPool
+    episodes: EpisodeRunner  # rollouts: the generation engines and the recipe's environments
     total_steps: int
     step: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
-    episodes: EpisodeRunner | None = None  # multi-turn episodes with the recipe's environments, if used
 
     def training_info(self, step_metrics: dict[str, float], loader_state: dict[str, Any]) -> dict[str, Any]:
         """Counters, the latest value of every metric (ranks checkpoints), and this step's log record.
@@ -65,7 +68,7 @@ class RunContext:
 def make_context(
     cfg: MasterConfig,
     policy: Policy,
-    verifier: ScoringPool,
+    episodes: EpisodeRunner,
     items: Sequence[Any],
     batch_size: int,
     *,
@@ -75,8 +78,8 @@ def make_context(
 ) -> RunContext:
     """Creates the loader, logger and checkpoint manager, then resumes from the newest checkpoint.
 
-    The context owns ``policy`` and ``verifier`` from here: :func:`run_loop` closes them at the end. When
-    this raises, the logger it started is closed; ``policy`` and ``verifier`` stay the caller's to close.
+    The context owns ``policy`` and the environments of ``episodes`` from here: :func:`run_loop` closes them
+    at the end. When this raises, the logger it started is closed; the rest stays the caller's to close.
     """
     loader = ResumableLoader(items, batch_size, shuffle=cfg.data.shuffle, seed=seed)
     total = min(max_num_steps, max_num_epochs * loader.batches_per_epoch)
@@ -87,7 +90,7 @@ def make_context(
         else None
     )
     logger = MetricsLogger.from_config(cfg.logger, run_config=cfg.model_dump(mode="json"))
-    ctx = RunContext(cfg, policy, loader, logger, checkpoints, verifier, total_steps=total)
+    ctx = RunContext(cfg, policy, loader, logger, checkpoints, episodes, total_steps=total)
     try:
         resume(ctx)
     except BaseException:
@@ -106,31 +109,29 @@ def start_run(
     batch_size: int,
     max_num_steps: int,
     max_num_epochs: int,
-    with_environments: bool = False,
 ) -> tuple[RunContext, GenerationBackend, TaskData]:
-    """Starts a loop's components (policy and generation, reward workers, environments when the task uses
-    them and ``with_environments``, data, context) and resumes.
+    """Starts a loop's components (environments, policy and generation, data, context) and resumes.
 
-    When any step fails, whatever was already started (Ray actors, reward worker processes, loggers) is
-    released before the error propagates; once this returns, the context owns it all and :func:`run_loop`
-    releases it at the end.
+    When any step fails, whatever was already started (Ray actors, environment worker processes, loggers)
+    is released before the error propagates; once this returns, the context owns it all and
+    :func:`run_loop` releases it at the end.
     """
     examples = load_task(cfg.data)  # every data row checked before anything expensive starts
-    rows = [*examples[0], *examples[1]] if with_environments else []
     with ExitStack() as started:
-        runners = environment_runners(cfg, layout, rows)  # every class built once: a bad one fails here
+        # every environment class is built once here: a bad one fails before any model loads
+        runners = environment_runners(cfg, layout, [*examples[0], *examples[1]])
         started.callback(close_runners, runners)
         policy, backend = build_policy(cfg, layout, seed=seed, keep_reference=keep_reference)
         started.callback(policy.close)
-        verifier = build_verifier(cfg, layout)
-        started.callback(verifier.close)
         data = load_prompts(
             cfg, policy.tokenizer, max_val_samples, examples, tools=prompt_tools(cfg, runners)
         )
+        system_prompt = resolve_system_prompt(cfg.data)
+        episodes = build_episode_runner(cfg, backend, policy.tokenizer, runners, system_prompt)
         ctx = make_context(
             cfg,
             policy,
-            verifier,
+            episodes,
             data.train,
             batch_size,
             seed=seed,
@@ -138,11 +139,6 @@ def start_run(
             max_num_epochs=max_num_epochs,
         )
         started.callback(ctx.logger.close, failed=True)
-        if runners:
-            system_prompt = resolve_system_prompt(cfg.data)
-            ctx.episodes = build_episode_runner(
-                cfg, layout, backend, policy.tokenizer, runners, system_prompt
-            )
         if ctx.step > 0:
             backend.refit()  # resumed weights reach engines that hold their own copy
         started.pop_all()
@@ -249,16 +245,15 @@ def timed_validation(validate_fn: Callable[[], dict[str, float]]) -> dict[str, f
 
 @contextmanager
 def closing_run(ctx: RunContext) -> Iterator[None]:
-    """Closes the reward workers and the loggers at the end, marking the run failed on an exception."""
+    """Closes the environment workers, the policy and the loggers at the end, marking the run failed on an
+    exception."""
     failed = True
     try:
         yield
         failed = False
     finally:
         try:
-            ctx.verifier.close()
-            if ctx.episodes is not None:
-                close_runners(ctx.episodes.environments)
+            close_runners(ctx.episodes.environments)
             ctx.policy.close()
         finally:
             ctx.logger.close(failed=failed)
