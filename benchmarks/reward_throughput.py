@@ -1,4 +1,4 @@
-"""Verification throughput: :class:`VerifierPool` with 1, 2 and 4 workers vs in-process scoring.
+"""Verification throughput: :class:`ProcessWorkerPool` with 1, 2 and 4 workers vs in-process scoring.
 
 Builds about 2,000 GSM8k-style responses from the GSM8k test set in ``tests/data`` (``#### N``,
 ``\\boxed{N}``, "The answer is N.", ``$1,080``, a LaTeX fraction equal to N, and wrong answers), scores them
@@ -19,7 +19,8 @@ from pathlib import Path
 
 from math_verify import parse, verify
 
-from rlfleet.rewards import VerifierPool, extract_gold, math_reward
+from rlfleet.rewards import extract_gold, math_reward
+from rlfleet.workers import ProcessWorkerPool
 
 Item = tuple[str, str, str]
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k" / "test.jsonl"  # 1,319 rows
@@ -65,7 +66,7 @@ def time_pool(
     workers: int, items: Sequence[Item], warm_up: Sequence[Item], batch: int
 ) -> tuple[float, float, float]:
     start = time.perf_counter()
-    with VerifierPool("rlfleet.rewards.math_reward", num_workers=workers, timeout_s=5.0) as pool:
+    with ProcessWorkerPool("rlfleet.rewards.math_reward", num_workers=workers, timeout_s=5.0) as pool:
         pool.wait_ready()
         startup = time.perf_counter() - start
         pool.score(warm_up)
@@ -91,7 +92,7 @@ def main() -> None:
     rows.append(("in-process math-verify only", mv_s, mv_total, 0.0))
     for workers in args.workers:
         seconds, total, startup = time_pool(workers, items, warm_up, args.batch)
-        rows.append((f"VerifierPool num_workers={workers}", seconds, total, startup))
+        rows.append((f"ProcessWorkerPool num_workers={workers}", seconds, total, startup))
     print(f"{len(items)} responses, batches of {args.batch}, expected correct {base_total:.0f}")
     print(f"{'mode':<34}{'responses/s':>12}{'ratio':>8}{'correct':>9}{'start-up s':>12}")
     for name, seconds, total, startup in rows:

@@ -22,8 +22,8 @@ from rlfleet.environments.runner import (
 )
 from rlfleet.generation import GenerationResult, HFGenerationBackend, SamplingParams
 from rlfleet.policy.batch import collate
-from rlfleet.rewards import VerifierPool
 from rlfleet.rollouts.episodes import EpisodeRunner, ObservationTemplate
+from rlfleet.workers import ProcessWorkerPool
 from tests.functional.rewards_for_tests import first_digit_reward
 
 FIRST_DIGIT = "tests.functional.rewards_for_tests.first_digit_reward"
@@ -192,7 +192,7 @@ def test_the_math_environment_scores_as_single_turn_grpo(model_and_tokenizer: tu
         first_digit_reward(p.text, r.text, p.example.gold) for p, r in zip(repeated, single, strict=True)
     ]
     math = build_environment("math", {"reward_fn": "tests.functional.rewards_for_tests.first_digit_reward"})
-    pool = VerifierPool(STEP_IN_WORKER, 1, 5.0, convert=checked_outcome)
+    pool = ProcessWorkerPool(STEP_IN_WORKER, 1, 5.0, convert=checked_outcome)
     runners = {
         "in-process": InProcessRunner("math", math),
         "worker-processes": PooledRunner("math", "math", {"reward_fn": FIRST_DIGIT}, math, pool),
@@ -217,7 +217,7 @@ def test_a_failing_item_costs_that_item_only(model_and_tokenizer: tuple[Any, Any
     prompts = make_prompts(tokenizer, kinds)
     env = build_environment(FLAKY, {})
     if pooled:
-        pool = VerifierPool("rlfleet.environments.runner.step_in_worker", 2, 3.0, convert=checked_outcome)
+        pool = ProcessWorkerPool(STEP_IN_WORKER, 2, 3.0, convert=checked_outcome)
         runner: Any = PooledRunner("f", FLAKY, {}, env, pool)
     else:
         runner = InProcessRunner("f", env)

@@ -1,6 +1,6 @@
 """The math reward on the whole GSM8k test set (``tests/data/gsm8k``): every way a model writes the right
 answer scores 1.0 and a wrong number 0.0, for every row, with the row's whole worked solution as the gold
-(reduced to its ``#### N``), in process and through a :class:`VerifierPool` as the trainer scores."""
+(reduced to its ``#### N``), in process and through a :class:`ProcessWorkerPool` as the trainer scores."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.rewards import VerifierPool, extract_gold, math_reward
+from rlfleet.rewards import extract_gold, math_reward
+from rlfleet.workers import ProcessWorkerPool
 
 math_module = importlib.import_module("rlfleet.rewards.math")
 
@@ -71,7 +72,7 @@ def test_every_gsm8k_row_scores_right_and_wrong_answers_in_the_pool(rows):
             for style, response in responses(worked, given).items():
                 items.append((row["question"], response, row["answer"]))  # the whole solution as the gold
                 labels.append((index, style, right))
-    with VerifierPool(math_reward, num_workers=2, timeout_s=5.0) as pool:
+    with ProcessWorkerPool(math_reward, num_workers=2, timeout_s=5.0) as pool:
         batch = pool.score(items)
     assert batch.num_timeouts == 0 and batch.num_errors == 0, batch
     failures = [

@@ -1,4 +1,4 @@
-"""RayVerifierPool: the scores of the reward function, in order, through killed, crashed and stuck actors."""
+"""RayWorkerPool: the scores of the reward function, in order, through killed, crashed and stuck actors."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import ray
 import ray.exceptions
 
 from rlfleet.rewards import math_reward
-from rlfleet.rewards.ray_pool import RayVerifierPool
+from rlfleet.workers.ray_pool import RayWorkerPool
 
 pytestmark = [pytest.mark.timeout(60)]  # a pool that hangs fails instead
 
@@ -66,12 +66,12 @@ def test_expected_scores_are_mixed() -> None:
 def test_needs_ray_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     with pytest.raises(RuntimeError, match="needs Ray initialised"):
-        RayVerifierPool(math_reward, num_workers=1, timeout_s=1.0)
+        RayWorkerPool(math_reward, num_workers=1, timeout_s=1.0)
 
 
 def test_scores_equal_the_reward_function_in_input_order(ray_cluster: None) -> None:
     items = GSM8K_ITEMS * 3
-    with RayVerifierPool("rlfleet.rewards.math_reward", num_workers=2, timeout_s=5.0, chunk_size=3) as pool:
+    with RayWorkerPool("rlfleet.rewards.math_reward", num_workers=2, timeout_s=5.0, chunk_size=3) as pool:
         batch = pool.score(items)
         assert batch.rewards == EXPECTED * 3
         assert (batch.num_timeouts, batch.num_errors, pool.num_restarts) == (0, 0, 0)
@@ -87,7 +87,7 @@ def test_a_killed_or_crashed_actor_is_replaced_and_its_items_rerun(
     items = [*GSM8K_ITEMS[:5], (prompt, "#### 72", "72"), *GSM8K_ITEMS[5:]]
     expected = [*EXPECTED[:5], 1.0, *EXPECTED[5:]]
     killed: list[str] = []
-    with RayVerifierPool(faulty_math_reward, num_workers=2, timeout_s=5.0, chunk_size=3) as pool:
+    with RayWorkerPool(faulty_math_reward, num_workers=2, timeout_s=5.0, chunk_size=3) as pool:
         pool.wait_ready()
         before = set(pool.actor_ids())
 
@@ -119,7 +119,7 @@ def test_a_killed_or_crashed_actor_is_replaced_and_its_items_rerun(
 def test_a_stuck_response_times_out_alone_and_the_pool_recovers(ray_cluster: None) -> None:
     items = [*GSM8K_ITEMS[:2], ("hang", "#### 1", "1"), *GSM8K_ITEMS[2:6]]
     expected = [*EXPECTED[:2], 0.0, *EXPECTED[2:6]]
-    pool = RayVerifierPool(
+    pool = RayWorkerPool(
         faulty_math_reward, num_workers=2, timeout_s=1.0, max_retries=1, chunk_size=3, slack_s=0.5
     )
     with pool:
@@ -135,7 +135,7 @@ def test_a_stuck_response_times_out_alone_and_the_pool_recovers(ray_cluster: Non
 def test_slow_and_failing_responses_count_without_restarts(
     ray_cluster: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="rlfleet.rewards.pool")
+    caplog.set_level(logging.ERROR, logger="rlfleet.workers.pool")
     items = [
         ("sleep", "#### 1", "1"),
         *GSM8K_ITEMS[:3],
@@ -143,7 +143,7 @@ def test_slow_and_failing_responses_count_without_restarts(
         ("q", "#### 72", WORKED),  # a gold that is no answer: an error, not a wrong response
         ("q", "#### 72", f"{WORKED}\n#### 72"),  # a worked solution: reduced to its answer
     ]
-    with RayVerifierPool(faulty_math_reward, num_workers=2, timeout_s=1.0, chunk_size=1) as pool:
+    with RayWorkerPool(faulty_math_reward, num_workers=2, timeout_s=1.0, chunk_size=1) as pool:
         pool.wait_ready()
         batch = pool.score(items)
         assert batch.rewards == [0.0, *EXPECTED[:3], 0.0, 0.0, 1.0]
@@ -157,7 +157,7 @@ def test_slow_and_failing_responses_count_without_restarts(
 
 def test_close_removes_the_actors(ray_cluster: None) -> None:
     total = ray.cluster_resources()["CPU"]
-    pool = RayVerifierPool(math_reward, num_workers=2, timeout_s=1.0)
+    pool = RayWorkerPool(math_reward, num_workers=2, timeout_s=1.0)
     pool.wait_ready()
     actors = pool.actors
     assert len(set(pool.actor_ids())) == 2

@@ -64,7 +64,7 @@ def test_a_failed_constructor_leaves_no_worker_behind(
     assert len(started["pids"]) == 2
     left = [pid for pid in started["pids"] if _alive(pid)]
     assert not left, f"environment workers {left} outlived the failed constructor"
-    assert not [p for p in multiprocessing.active_children() if p.name == "rlfleet-verifier"]
+    assert not [p for p in multiprocessing.active_children() if p.name == "rlfleet-worker"]
     assert started["policy_closed"]
 
 
@@ -86,4 +86,4 @@ def test_a_failed_resume_closes_the_logger_and_the_workers(
     with pytest.raises(RuntimeError, match="unreadable"):
         grpo_module.GRPO(small_grpo_config(tiny_model_dir, tmp_path))
     assert len(loggers) == 1 and loggers[0]._closed
-    assert not [p for p in multiprocessing.active_children() if p.name == "rlfleet-verifier"]
+    assert not [p for p in multiprocessing.active_children() if p.name == "rlfleet-worker"]

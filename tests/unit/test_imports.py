@@ -131,15 +131,16 @@ def test_a_cycle_is_found() -> None:
 # where that makes no cycle (``distributed/`` is Ray only; torch parallelism is the policy's).
 LAYERS = [
     {"errors", "utils", "answers"},
-    {"rewards"},
-    {"config", "models", "memory_estimate"},
-    {"data", "generation", "checkpoint", "logging", "deploy", "environments", "memory_plan"},
+    {"rewards", "workers"},
+    {"config", "models"},
+    {"data", "generation", "checkpoint", "logging", "deploy", "environments"},
+    {"memory"},
     {"policy"},
     {"distributed"},
     {"rollouts"},
     {"runtime"},
     {"algorithms"},
-    {"plan", "demo", "cli"},
+    {"demo", "cli"},
 ]
 
 

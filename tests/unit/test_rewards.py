@@ -19,8 +19,6 @@ import pytest
 from rlfleet.answers import MAX_GOLD_CHARS
 from rlfleet.rewards import (
     InvalidGoldError,
-    RewardBatch,
-    VerifierPool,
     extract_answer,
     extract_gold,
     gold_answer,
@@ -28,6 +26,7 @@ from rlfleet.rewards import (
     math_reward,
 )
 from rlfleet.rewards.verify import time_budget
+from rlfleet.workers import ProcessWorkerPool, RewardBatch
 
 TIMEOUT_S = 1.0
 
@@ -274,7 +273,7 @@ HOSTILE = {
 def test_hostile_input_in_process_is_bounded(name):
     # In process the bound is a SIGALRM, which cannot interrupt C code (a regex) until it returns, and a
     # host process's own timers and handlers can displace it; so it is checked in a fresh interpreter.
-    # The hard bound in training is VerifierPool's kill-and-replace, tested below.
+    # The hard bound in training is ProcessWorkerPool's kill-and-replace, tested below.
     # The budget is what bounds it: a check that reaches sympy/ANTLR is interrupted by it (the same check
     # under the same budget raises VerificationTimeout), the others are rejected before they need it.
     response, gold, times_out = HOSTILE[name]
@@ -331,12 +330,12 @@ def test_load_reward_fn():
         load_reward_fn("nodots")
 
 
-# -------------------------------------------------------------------------------------- VerifierPool
+# -------------------------------------------------------------------------------------- ProcessWorkerPool
 
 
 @pytest.fixture(scope="module")
-def math_pool() -> Iterator[VerifierPool]:
-    with VerifierPool("rlfleet.rewards.math_reward", num_workers=2, timeout_s=TIMEOUT_S) as pool:
+def math_pool() -> Iterator[ProcessWorkerPool]:
+    with ProcessWorkerPool("rlfleet.rewards.math_reward", num_workers=2, timeout_s=TIMEOUT_S) as pool:
         yield pool
 
 
@@ -384,7 +383,7 @@ def test_hostile_batch_in_pool(math_pool):
 
 @pytest.mark.timeout(120)  # a hang guard
 def test_stuck_worker_is_killed_and_replaced():
-    with VerifierPool(stall_reward, num_workers=2, timeout_s=TIMEOUT_S) as pool:
+    with ProcessWorkerPool(stall_reward, num_workers=2, timeout_s=TIMEOUT_S) as pool:
         pool.wait_ready()
         before = pool.worker_pids
         batch = pool.score([("q", "ok", "g"), ("q", "stall", "g"), *[("q", "ok", "g")] * 20])
@@ -395,9 +394,9 @@ def test_stuck_worker_is_killed_and_replaced():
 
 
 def test_reward_errors_are_counted_and_logged_once_per_type(caplog):
-    caplog.set_level(logging.ERROR, logger="rlfleet.rewards.pool")
+    caplog.set_level(logging.ERROR, logger="rlfleet.workers.pool")
     items = [("q", "raise", "g"), ("q", "fine", "g"), ("q", "not a number", "g"), ("q", "raise", "g")]
-    with VerifierPool(raising_reward, num_workers=1, timeout_s=TIMEOUT_S) as pool:
+    with ProcessWorkerPool(raising_reward, num_workers=1, timeout_s=TIMEOUT_S) as pool:
         batch = pool.score(items)
         assert pool.score(items) == batch  # the second batch is counted again, not logged again
     assert batch == RewardBatch([0.0, 0.5, 0.0, 0.0], num_timeouts=0, num_errors=3)
@@ -408,10 +407,10 @@ def test_reward_errors_are_counted_and_logged_once_per_type(caplog):
 
 
 def test_invalid_gold_is_an_error_in_the_pool(caplog):
-    caplog.set_level(logging.ERROR, logger="rlfleet.rewards.pool")
+    caplog.set_level(logging.ERROR, logger="rlfleet.workers.pool")
     rationale = "She sold 24 clips in May.\nShe sold 72 clips in all."
     items = [("q", "#### 72", rationale), ("q", "#### 72", WORKED), ("q", "#### 7", ""), ("q", "#### 7", "7")]
-    with VerifierPool("rlfleet.rewards.math_reward", num_workers=1, timeout_s=5.0) as pool:
+    with ProcessWorkerPool("rlfleet.rewards.math_reward", num_workers=1, timeout_s=5.0) as pool:
         assert pool.score(items) == RewardBatch([0.0, 1.0, 0.0, 1.0], num_timeouts=0, num_errors=2)
     (record,) = caplog.records
     message = record.getMessage()
@@ -420,7 +419,7 @@ def test_invalid_gold_is_an_error_in_the_pool(caplog):
 
 
 def test_worker_killed_mid_batch_is_replaced_and_the_batch_completes():
-    with VerifierPool(slow_reward, num_workers=2, timeout_s=5.0) as pool:
+    with ProcessWorkerPool(slow_reward, num_workers=2, timeout_s=5.0) as pool:
         pool.wait_ready()
         victim = pool.worker_pids[0]
         killer = threading.Timer(0.2, os.kill, (victim, signal.SIGKILL))  # like the OOM killer
@@ -433,14 +432,14 @@ def test_worker_killed_mid_batch_is_replaced_and_the_batch_completes():
 
 def test_item_that_kills_its_worker_is_retried_once(tmp_path):
     marker = str(tmp_path / "died")
-    with VerifierPool("tests.unit.test_rewards.die_once_reward", num_workers=2, timeout_s=5.0) as pool:
+    with ProcessWorkerPool("tests.unit.test_rewards.die_once_reward", num_workers=2, timeout_s=5.0) as pool:
         batch = pool.score([(marker, "ok", "g"), (marker, "die", "g"), *[(marker, "ok", "g")] * 10])
         assert batch == RewardBatch([1.0] * 12, 0, 0)
         assert Path(marker).exists()
 
 
 def test_item_that_kills_every_worker_raises_and_the_pool_recovers():
-    with VerifierPool(always_die_reward, num_workers=2, timeout_s=5.0) as pool:
+    with ProcessWorkerPool(always_die_reward, num_workers=2, timeout_s=5.0) as pool:
         with pytest.raises(RuntimeError, match="died twice on response 1"):
             pool.score([("q", "ok", "g"), ("q", "die", "g"), ("q", "ok", "g")])
         assert pool.score([("q", "ok", "g")] * 3).rewards == [1.0] * 3
@@ -448,19 +447,19 @@ def test_item_that_kills_every_worker_raises_and_the_pool_recovers():
 
 def test_pool_arguments_are_checked():
     with pytest.raises(ValueError, match="num_workers must be >= 1"):
-        VerifierPool(math_reward, num_workers=0, timeout_s=1.0)
+        ProcessWorkerPool(math_reward, num_workers=0, timeout_s=1.0)
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
-        VerifierPool(math_reward, num_workers=1, timeout_s=0.0)
+        ProcessWorkerPool(math_reward, num_workers=1, timeout_s=0.0)
     with pytest.raises(ValueError, match="top-level function"):
-        VerifierPool(lambda p, r, g: 1.0, num_workers=1, timeout_s=1.0)
+        ProcessWorkerPool(lambda p, r, g: 1.0, num_workers=1, timeout_s=1.0)
     with pytest.raises(ValueError, match="cannot import"):
-        VerifierPool("rlfleet.rewards.nope", num_workers=1, timeout_s=1.0)
+        ProcessWorkerPool("rlfleet.rewards.nope", num_workers=1, timeout_s=1.0)
     with pytest.raises(ValueError, match="start_method"):
-        VerifierPool(math_reward, num_workers=1, timeout_s=1.0, start_method="fork")  # type: ignore[arg-type]
+        ProcessWorkerPool(math_reward, num_workers=1, timeout_s=1.0, start_method="fork")  # type: ignore[arg-type]
 
 
 def test_closed_pool_refuses_work():
-    pool = VerifierPool(math_reward, num_workers=1, timeout_s=1.0)
+    pool = ProcessWorkerPool(math_reward, num_workers=1, timeout_s=1.0)
     assert pool.score([("q", "#### 1", "1")]).rewards == [1.0]
     pids = pool.worker_pids
     pool.close()
@@ -473,6 +472,6 @@ def test_closed_pool_refuses_work():
 
 
 def test_spawn_start_method():
-    with VerifierPool(math_reward, num_workers=1, timeout_s=TIMEOUT_S, start_method="spawn") as pool:
+    with ProcessWorkerPool(math_reward, num_workers=1, timeout_s=TIMEOUT_S, start_method="spawn") as pool:
         batch = pool.score([("q", "\\boxed{\\frac{3}{4}}", "0.75"), ("q", "\\boxed{9^{9^{9^{9}}}}", "1")])
     assert batch == RewardBatch([1.0, 0.0], num_timeouts=1, num_errors=0)

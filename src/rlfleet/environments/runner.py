@@ -4,8 +4,8 @@
   the call raises or returns something malformed, each item is stepped alone so that only the bad ones fail.
   Nothing bounds its time: an environment that may hang belongs in workers.
 * :class:`PooledRunner` (``num_workers >= 1``) steps each item in worker processes, or Ray actors when the run
-  is on Ray: the reward pools' machinery (:class:`~rlfleet.rewards.VerifierPool`,
-  :class:`~rlfleet.rewards.ray_pool.RayVerifierPool`), with the same per-item time bound (``timeout_s``),
+  is on Ray: the reward pools' machinery (:class:`~rlfleet.rewards.ProcessWorkerPool`,
+  :class:`~rlfleet.workers.ray_pool.RayWorkerPool`), with the same per-item time bound (``timeout_s``),
   restart of a dead or stuck worker, and counting.
 
 A failed item (raised, timed out, malformed) ends its episode with reward 0, counts in ``env_errors`` or
@@ -30,7 +30,7 @@ from rlfleet.environments.interface import (
     split_return,
 )
 from rlfleet.errors import UserError
-from rlfleet.rewards.pool import ScoringPool
+from rlfleet.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class PooledRunner:
         path: str,
         cfg: Mapping[str, Any],
         environment: EnvironmentInterface[Any],
-        pool: ScoringPool,
+        pool: WorkerPool,
     ) -> None:
         self.name, self.path, self.environment, self.pool = name, path, environment, pool
         self.cfg_json = json.dumps(dict(cfg), sort_keys=True)

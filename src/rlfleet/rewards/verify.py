@@ -4,7 +4,7 @@ math-verify bounds its own work with ``signal.alarm`` (whole seconds, re-armed a
 every parse and every comparison), which would cancel an outer timer; we switch those off and bound a whole
 check with one ``setitimer`` budget instead (:func:`time_budget`). A signal only interrupts Python code, so
 this budget is best effort: a stall inside C code (a huge integer power, a regex) is bounded only by
-:class:`rlfleet.rewards.pool.VerifierPool`, which kills the worker process.
+:class:`rlfleet.workers.pool.ProcessWorkerPool`, which kills the worker process.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def time_budget(seconds: float | None) -> Iterator[bool]:
 
     Yields whether the budget is armed. It is not (and the block runs unbounded by it) when ``seconds`` is
     None or not positive, off the main thread (signals reach the main thread only), inside another
-    ``time_budget`` (the outer one owns the time, e.g. a :class:`VerifierPool` worker's), or when a foreign
+    ``time_budget`` (the outer one owns the time, e.g. a pool worker's), or when a foreign
     interval timer (pytest-timeout) fires first anyway. A later foreign timer is suspended meanwhile and
     re-armed with its remaining time.
     """

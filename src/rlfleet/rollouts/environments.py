@@ -29,8 +29,8 @@ from rlfleet.environments.runner import (
 )
 from rlfleet.errors import UserError
 from rlfleet.generation import GenerationBackend
-from rlfleet.rewards import ScoringPool, VerifierPool
 from rlfleet.rollouts.episodes import EpisodeRunner
+from rlfleet.workers import ProcessWorkerPool, WorkerPool
 
 
 def environment_settings(cfg: MasterConfig, name: str) -> tuple[str, dict[str, Any], int, float]:
@@ -84,12 +84,12 @@ def environment_names(cfg: MasterConfig, examples: Iterable[Example]) -> list[st
     return names
 
 
-def _pool(cfg: MasterConfig, layout: ResourceLayout, workers: int, timeout_s: float) -> ScoringPool:
+def _pool(cfg: MasterConfig, layout: ResourceLayout, workers: int, timeout_s: float) -> WorkerPool:
     if uses_ray(cfg, layout=layout):
-        from rlfleet.rewards.ray_pool import RayVerifierPool  # the ray extra
+        from rlfleet.workers.ray_pool import RayWorkerPool  # the ray extra
 
-        return RayVerifierPool(STEP_IN_WORKER, workers, timeout_s, num_cpus=0, convert=checked_outcome)
-    return VerifierPool(STEP_IN_WORKER, workers, timeout_s, convert=checked_outcome)
+        return RayWorkerPool(STEP_IN_WORKER, workers, timeout_s, num_cpus=0, convert=checked_outcome)
+    return ProcessWorkerPool(STEP_IN_WORKER, workers, timeout_s, convert=checked_outcome)
 
 
 def build_env_runners(

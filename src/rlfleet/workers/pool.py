@@ -1,11 +1,12 @@
-"""A pool of verifier processes that scores a batch of responses, each within a wall-clock bound.
+"""A pool of worker processes that calls one function (a reward function, an environment's step) on each
+item of a batch, each within a wall-clock bound.
 
 Workers are started once and reused across steps. The default ``forkserver`` start method launches one
-clean server process that imports the reward code, and forks every worker from it: the trainer (torch
-threads and all) is never forked, and a worker starts or restarts in ~15 ms instead of the ~0.5 s of a
-``spawn``. As with any non-fork start method, each worker re-imports the parent's ``__main__`` module, so
-a script that creates a pool must guard its entry point with ``if __name__ == "__main__":`` and should keep
-heavy imports (torch) out of its top level if restarts are to stay cheap.
+clean server process that imports the function's module, and forks every worker from it: the trainer (torch
+threads and all) is never forked, and a worker starts or restarts far faster than a ``spawn`` (which
+re-imports everything). As with any non-fork start method, each worker re-imports the parent's ``__main__``
+module, so a script that creates a pool must guard its entry point with ``if __name__ == "__main__":`` and
+should keep heavy imports (torch) out of its top level if restarts are to stay cheap.
 
 Each worker holds up to two items (sent as one pipe message when it needs two), so it never sits idle
 waiting for the parent, and answers each item with one message as soon as it is scored. The item a worker
@@ -19,9 +20,8 @@ is on has a deadline of ``timeout_s`` from the moment its previous answer arrive
 Both count in :attr:`RewardBatch.num_timeouts` and give reward 0.0; an exception in the reward function
 (:class:`~rlfleet.answers.InvalidGoldError` for a gold that is not an answer, say) gives 0.0, counts in
 :attr:`RewardBatch.num_errors`, and the first one of each exception type is logged (once per pool, with its
-message). A worker that dies on its own (the out-of-memory
-killer) is replaced and its unanswered items are re-run on a fresh worker; a second death on the same item
-raises RuntimeError.
+message). A worker that dies on its own (the out-of-memory killer) is replaced and its unanswered items
+are re-run on a fresh worker; a second death on the same item raises RuntimeError.
 """
 
 from __future__ import annotations
@@ -129,6 +129,14 @@ def _worker_main(conn: Connection, reward: RewardFn | str, soft_timeout_s: float
 # ------------------------------------------------------------------------------------------- parent side
 
 
+def preloaded_modules(fn: RewardFn | str) -> list[str]:
+    """What the forkserver imports before it forks a worker: the rewards, and the function's own module
+    (an environment's step imports torch: once in the server, not once per worker)."""
+    module = fn.rpartition(".")[0] if isinstance(fn, str) else getattr(fn, "__module__", "")
+    return [*_PRELOAD, module] if module and module not in _PRELOAD else list(_PRELOAD)
+
+
+
 @dataclass
 class _Worker:
     process: BaseProcess
@@ -190,7 +198,7 @@ def _name_of(reward: RewardFn | str) -> str:
     return f"{getattr(reward, '__module__', '?')}.{getattr(reward, '__qualname__', repr(reward))}"
 
 
-class ScoringPool(ABC):
+class WorkerPool(ABC):
     """What both verifier pools offer: score batches, each response within ``timeout_s``, in workers.
 
     The loop they share (dispatch items to workers, collect, expire the late ones) is ``PoolLoop``.
@@ -276,7 +284,7 @@ class ScoringPool(ABC):
 BatchT = TypeVar("BatchT", bound=PendingItems)
 
 
-class PoolLoop(ScoringPool, Generic[BatchT]):
+class PoolLoop(WorkerPool, Generic[BatchT]):
     """The loop both verifier pools share, over their own bookkeeping ``BatchT`` of one ``score`` call.
 
     A subclass supplies the workers (processes or Ray actors) through the abstract methods.
@@ -335,11 +343,11 @@ class PoolLoop(ScoringPool, Generic[BatchT]):
         """After an error inside ``score``: drops what is in flight so the next call starts clean."""
 
 
-class VerifierPool(PoolLoop[PendingItems]):
+class ProcessWorkerPool(PoolLoop[PendingItems]):
     """Scores ``(prompt, response, gold)`` batches in worker processes, each response within ``timeout_s``.
 
     Example:
-        >>> with VerifierPool("rlfleet.rewards.math_reward", num_workers=4, timeout_s=5.0) as pool:
+        >>> with ProcessWorkerPool("rlfleet.rewards.math_reward", num_workers=4, timeout_s=5.0) as pool:
         ...     batch = pool.score([("q", "... #### 72", "72"), ("q", "\\\\boxed{71}", "72")])
         >>> batch.rewards, batch.num_timeouts
         ([1.0, 0.0], 0)
@@ -372,7 +380,7 @@ class VerifierPool(PoolLoop[PendingItems]):
         self._ctx: ForkServerContext | SpawnContext
         if start_method == "forkserver":
             self._ctx = multiprocessing.get_context("forkserver")
-            self._ctx.set_forkserver_preload(_PRELOAD)
+            self._ctx.set_forkserver_preload(preloaded_modules(reward_fn))
         else:
             self._ctx = multiprocessing.get_context("spawn")
         self._startup_timeout_s = startup_timeout_s
@@ -412,7 +420,7 @@ class VerifierPool(PoolLoop[PendingItems]):
         process = self._ctx.Process(
             target=_worker_main,
             args=(child_conn, self._reward, self.timeout_s * SOFT_FRACTION, self._convert),
-            name="rlfleet-verifier",
+            name="rlfleet-worker",
             daemon=True,
         )
         process.start()

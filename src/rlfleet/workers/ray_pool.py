@@ -1,14 +1,14 @@
-"""Reward workers as a pool of Ray actors, with the interface and result semantics of :class:`VerifierPool`.
+"""Workers as a pool of Ray actors, with the interface and result semantics of :class:`ProcessWorkerPool`.
 
 Items go out in chunks, one chunk per actor at a time (a work queue), and come back in input order. Inside
-an actor each response has the soft ``SIGALRM`` budget of a :class:`VerifierPool` worker (a timeout that
+an actor each response has the soft ``SIGALRM`` budget of a :class:`ProcessWorkerPool` worker (a timeout that
 leaves the actor up); a chunk has a hard deadline of ``timeout_s * len(chunk) + slack_s`` from dispatch.
 An actor that dies (killed, crashed, lost its node) or misses a deadline is killed and replaced, and its
 chunk is re-run: a chunk of several items is split into single items first, free of charge (the culprit is
 unknown), then a single item that fails again is retried up to ``max_retries`` times and then recorded as a
 timeout (deadline) or an error (death), with reward 0.0. Every wait on Ray is bounded: the pool never hangs.
 An exception in the reward function is a counted error with reward 0.0, logged once per type, as in a
-:class:`VerifierPool`.
+:class:`ProcessWorkerPool`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import ray
 import ray.exceptions
 
 from rlfleet.rewards.loading import RewardFn, load_reward_fn
-from rlfleet.rewards.pool import (
+from rlfleet.workers.pool import (
     MAX_STARTUP_FAILURES,
     MAX_WAIT_S,
     SOFT_FRACTION,
@@ -55,7 +55,7 @@ class _VerifierActor:
         return os.getpid()
 
     def score(self, items: list[Item]) -> list[Scored]:
-        """``(status, reward, error)`` per item, as a :class:`VerifierPool` worker scores them."""
+        """``(status, reward, error)`` per item, as a :class:`ProcessWorkerPool` worker scores them."""
         self.ready()
         assert self._fn is not None
         return [score_one(self._fn, item, self._soft_timeout_s, self._convert) for item in items]
@@ -82,10 +82,10 @@ class _Slot:
         return self.ready_ref is not None
 
 
-class RayVerifierPool(PoolLoop[_RetryBatch]):
+class RayWorkerPool(PoolLoop[_RetryBatch]):
     """Scores ``(prompt, response, gold)`` batches in Ray actors, each response within ``timeout_s``.
 
-    A drop-in for :class:`VerifierPool` where Ray is already initialised (the caller connects).
+    A drop-in for :class:`ProcessWorkerPool` where Ray is already initialised (the caller connects).
 
     Args:
         reward_fn: A top-level reward function or its dotted path (resolved inside the actors).
@@ -116,7 +116,7 @@ class RayVerifierPool(PoolLoop[_RetryBatch]):
         convert: Convert = float,
     ) -> None:
         if not ray.is_initialized():
-            raise RuntimeError("RayVerifierPool needs Ray initialised first (connect_or_start or ray.init)")
+            raise RuntimeError("RayWorkerPool needs Ray initialised first (connect_or_start or ray.init)")
         if max_retries < 0 or (chunk_size is not None and chunk_size < 1):
             raise ValueError(f"need max_retries >= 0 and chunk_size >= 1, got {max_retries}, {chunk_size}")
         super().__init__(reward_fn, num_workers, timeout_s, convert)
@@ -193,7 +193,7 @@ class RayVerifierPool(PoolLoop[_RetryBatch]):
         owners = {slot.ready_ref if slot.starting else slot.ref: slot for slot in self._slots}
         owners.pop(None, None)  # idle actors
         if not owners:  # items neither pending nor in flight: never spin on that
-            raise RuntimeError(f"RayVerifierPool lost track of {batch.remaining} item(s); this is a bug")
+            raise RuntimeError(f"RayWorkerPool lost track of {batch.remaining} item(s); this is a bug")
         deadline = min(slot.deadline for slot in owners.values())
         timeout = min(max(deadline - time.monotonic(), 0.0), MAX_WAIT_S)
         done, rest = ray.wait(list(owners), num_returns=1, timeout=timeout)
