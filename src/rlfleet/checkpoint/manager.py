@@ -400,14 +400,6 @@ class CheckpointManager:
         return info
 
     @staticmethod
-    def load_config_yaml(path: Path) -> str:
-        """Read the ``config.yaml`` text of a checkpoint step directory."""
-        file = Path(path) / CONFIG_FILE
-        if not file.is_file():
-            raise FileNotFoundError(f"{file} does not exist; {path} is not a complete checkpoint.")
-        return file.read_text(encoding="utf-8")
-
-    @staticmethod
     def load_dataloader_state(path: Path) -> dict[str, Any]:
         """Read ``train_dataloader.pt`` of a checkpoint step directory."""
         state: dict[str, Any] = torch_load_safe(Path(path) / DATALOADER_FILE)

@@ -173,10 +173,6 @@ class RayWorkerGroup:
         """
         return self._gather(self.submit(method, *args, **kwargs))
 
-    def run_each(self, method: str, per_rank_args: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """Calls ``method(*per_rank_args[rank])`` on each rank; results in rank order."""
-        return self.run_on(range(self.world_size), method, per_rank_args)
-
     def run_on(
         self, ranks: Sequence[int], method: str, per_rank_args: Sequence[tuple[Any, ...]]
     ) -> list[Any]:

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from rlfleet.logging.backends import MlflowBackend, WandbBackend
 from rlfleet.logging.metrics import (
-    METRICS_FILE,
     RUN_CONFIG_FILE,
     SAMPLES_FILE,
     JsonlBackend,
@@ -95,10 +94,6 @@ class MetricsLogger:
             wandb=logger_cfg.wandb if logger_cfg.wandb_enabled else None,
             mlflow=logger_cfg.mlflow if logger_cfg.mlflow_enabled else None,
         )
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.log_dir / METRICS_FILE
 
     @property
     def samples_path(self) -> Path:
