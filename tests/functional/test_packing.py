@@ -14,8 +14,8 @@ import torch
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.logprobs import batch_logprobs, forward_logprobs
-from rlfleet.policy.loss import Normalizer
 from rlfleet.policy.loss_functions import NLLLossFn
+from rlfleet.policy.loss_math import Normalizer
 from rlfleet.policy.microbatch import MicroBatching, plan_micro_batches, row_lengths
 from rlfleet.policy.worker import LossFn, PolicyWorker
 from tests.conftest import TEST_OPTIMIZER, pg_loss

@@ -30,7 +30,7 @@ def test_a_failed_constructor_leaves_no_worker_behind(
 ) -> None:
     module = run_module  # where both trainers start their components (start_run)
     started: dict[str, Any] = {}
-    real_policy, real_runners = module.build_policy, module.environment_runners
+    real_policy, real_runners = module.build_policy, module.start_runners
 
     def build_policy(*args: Any, **kwargs: Any) -> Any:
         policy, backend = real_policy(*args, **kwargs)
@@ -44,7 +44,7 @@ def test_a_failed_constructor_leaves_no_worker_behind(
         monkeypatch.setattr(policy, "close", close)
         return policy, backend
 
-    def environment_runners(*args: Any, **kwargs: Any) -> Any:
+    def start_runners(*args: Any, **kwargs: Any) -> Any:
         started["runners"] = runners = real_runners(*args, **kwargs)
         started["pids"] = [pid for pid in runners["math"].pool.worker_pids if pid is not None]
         return runners
@@ -54,7 +54,7 @@ def test_a_failed_constructor_leaves_no_worker_behind(
         raise DataError("val.jsonl line 3: no 'answer' field; fix the row")
 
     monkeypatch.setattr(module, "build_policy", build_policy)
-    monkeypatch.setattr(module, "environment_runners", environment_runners)
+    monkeypatch.setattr(module, "start_runners", start_runners)
     monkeypatch.setattr(module, failing, bad_data)
     cfg = small_grpo_config(tiny_model_dir, tmp_path, "env.math.num_workers=2")
 

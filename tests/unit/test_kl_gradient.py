@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from rlfleet.policy.batch import TrainBatch
-from rlfleet.policy.loss import KL_TYPES, KLType, Normalizer, kl_estimate, kl_gradient_weights
 from rlfleet.policy.loss_functions import ClippedPGLossFn
+from rlfleet.policy.loss_math import KL_TYPES, KLType, Normalizer, kl_estimate, kl_gradient_weights
 
 V = 6
 

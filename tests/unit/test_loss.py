@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from rlfleet.policy.batch import TrainBatch
-from rlfleet.policy.loss import Normalizer, aggregate, clipped_pg_loss, kl_k3, masked_mean
 from rlfleet.policy.loss_functions import ClippedPGLossFn
+from rlfleet.policy.loss_math import Normalizer, aggregate, clipped_pg_loss, kl_k3, masked_mean
 
 
 def test_kl_k3_by_hand_and_clamps():

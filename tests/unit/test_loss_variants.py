@@ -16,8 +16,8 @@ from rlfleet.policy.importance_sampling import (
     token_importance_weights,
     truncate_weights,
 )
-from rlfleet.policy.loss import Normalizer, aggregate_max_length, gspo_loss, sequence_ratio
 from rlfleet.policy.loss_functions import ClippedPGLossFn
+from rlfleet.policy.loss_math import Normalizer, aggregate_max_length, gspo_loss, sequence_ratio
 
 # ------------------------------------------------------------------------------------------- pure maths
 

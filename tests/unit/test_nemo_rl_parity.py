@@ -35,8 +35,8 @@ import torch
 from rlfleet.algorithms.advantages import baseline_and_std, group_advantages
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.logprobs import logprobs_from_logits
-from rlfleet.policy.loss import KLType, Normalizer, kl_estimate, kl_gradient_weights, masked_mean
 from rlfleet.policy.loss_functions import ClippedPGLossFn, NLLLossFn
+from rlfleet.policy.loss_math import KLType, Normalizer, kl_estimate, kl_gradient_weights, masked_mean
 
 # the logprobs most NeMo clipped-loss cases use: ratios exp(curr - prev) = [0.5, 1.0, 1.5] against prev = -1
 CURR = torch.tensor([[-1.69315, -1.0, -0.59453]])

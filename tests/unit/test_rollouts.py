@@ -75,7 +75,7 @@ def test_samples_of_a_prompt_are_contiguous() -> None:
     rollouts = rollouts_of(table, 2, 3)
     assert [r.result.text for r in rollouts] == ["0.0", "0.1", "0.2", "1.0", "1.1", "1.2"]
     assert [r.prompt.example.gold for r in rollouts] == ["0", "0", "0", "1", "1", "1"]
-    assert all(r.conversation is None for r in rollouts)  # a one-turn episode reads as its response
+    assert [r.sample()["response"] for r in rollouts] == [r.result.text for r in rollouts]
 
 
 def test_validation_reports_fraction_correct_and_mean_reward_apart() -> None:

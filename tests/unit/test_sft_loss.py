@@ -9,8 +9,8 @@ from rlfleet.algorithms.sft import sft_batch
 from rlfleet.data import Example, Prompt, render_prompt, response_target
 from rlfleet.models.tiny import train_tokenizer
 from rlfleet.policy.batch import TrainBatch, collate
-from rlfleet.policy.loss import Normalizer
 from rlfleet.policy.loss_functions import NLLLossFn
+from rlfleet.policy.loss_math import Normalizer
 
 # Two rows: prompts of 3 and 2 tokens, responses of 2 and 3 tokens, right-padded to 5 columns.
 PROMPTS, RESPONSES = [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]]

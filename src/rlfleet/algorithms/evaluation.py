@@ -14,13 +14,15 @@ from pathlib import Path
 from rlfleet.config import MasterConfig
 from rlfleet.config.layout import resource_layout
 from rlfleet.data import load_task, resolve_system_prompt
+from rlfleet.environments.runner import EnvRunner
 from rlfleet.generation import SamplingParams
 from rlfleet.logging import write_jsonl
 from rlfleet.rollouts.environments import (
     build_episode_runner,
     close_runners,
-    environment_runners,
+    load_environments,
     prompt_tools,
+    start_runners,
 )
 from rlfleet.rollouts.evaluate import pass_at_k
 from rlfleet.rollouts.rollout import (
@@ -73,18 +75,18 @@ def run_eval(
     eval_cfg, gen = cfg.eval, cfg.policy.generation
     examples = load_task(cfg.data)  # every data row checked before the model loads
     layout = resource_layout(cfg)
-    runners = environment_runners(cfg, layout, [*examples[0], *examples[1]])
+    environments = load_environments(cfg, [*examples[0], *examples[1]])  # a bad one fails here
+    policy, backend = build_policy(cfg, layout, seed=eval_cfg.seed, keep_reference=False)
+    runners: dict[str, EnvRunner] = {}
     try:
-        policy, backend = build_policy(cfg, layout, seed=eval_cfg.seed, keep_reference=False)
-    except BaseException:
-        close_runners(runners)
-        raise
-    try:
+        runners = start_runners(cfg, layout, environments)
         if checkpoint is not None:
             policy.load_weights(checkpoint)
             backend.refit()
         limit = eval_cfg.max_val_samples or 10**9
-        prompts = load_prompts(cfg, policy.tokenizer, limit, examples, tools=prompt_tools(cfg, runners)).val
+        prompts = load_prompts(
+            cfg, policy.tokenizer, limit, examples, tools=prompt_tools(cfg, environments)
+        ).val
         n, greedy = eval_cfg.num_tests_per_prompt, eval_cfg.num_tests_per_prompt == 1
         params = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k, greedy=greedy)
         system_prompt = resolve_system_prompt(cfg.data)

@@ -1,7 +1,7 @@
 """GRPO: group-relative policy optimisation, one loop that reads like the algorithm.
 
-A step is a pipeline of named stages (:meth:`GRPO.step`): collect (``P`` prompts, ``G`` scored responses
-each; :mod:`rlfleet.rollouts.collect`, the stage a multi-turn environment replaces) -> shape rewards ->
+A step is a pipeline of named stages (:meth:`GRPO.step`): collect (``P`` prompts, ``G`` scored episodes
+each, single- or multi-turn alike; :mod:`rlfleet.rollouts.collect`) -> shape rewards ->
 advantages (leave-one-out, within each group) -> masks (the training batch: overlong filtering, whole
 global batches) -> update (logprobs of the current (``prev``) and reference policies, then clipped
 policy-gradient steps with a KL penalty) -> refit the generation weights; the run around it validates,
@@ -43,10 +43,12 @@ import torch
 from rlfleet.algorithms.advantages import group_advantages, zero_variance_fraction
 from rlfleet.algorithms.overlong import OverlongShaping, mask_truncated
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
+from rlfleet.config.batching import ResolvedBatching
 from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.resolved import truncation_type
 from rlfleet.generation import GenerationBackend, SamplingParams
-from rlfleet.memory_plan import ensure_fits
+from rlfleet.memory.planner import ensure_fits, resolve_batching
+from rlfleet.memory.probes import resident_bytes, take_peak_resident_bytes
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
 from rlfleet.policy.microbatch import MicroBatching, computed_rows
@@ -57,7 +59,6 @@ from rlfleet.rollouts.prefetch import RolloutPrefetcher
 from rlfleet.rollouts.rollout import Rollout, accuracy, mean_response_length
 from rlfleet.runtime.components import flop_meter, micro_batching
 from rlfleet.runtime.loop import RunContext, closing_run, run_loop, start_run, step_seed
-from rlfleet.utils.memory import resident_bytes, take_peak_resident_bytes
 from rlfleet.utils.timing import PhaseTimer
 
 
@@ -94,7 +95,7 @@ def skipped_update() -> dict[str, float]:
 
 
 @dataclass(frozen=True)
-class TrainingBatch:
+class UpdateBatch:
     """The masks stage's output: the rows one update trains on and how its optimizer steps split them."""
 
     batch: TrainBatch
@@ -107,7 +108,7 @@ class Update:
     """The update stage's output: the worker's metrics and the batch trained on."""
 
     metrics: dict[str, float]
-    trained: TrainingBatch
+    trained: UpdateBatch
 
 
 class GRPO:
@@ -128,8 +129,9 @@ class GRPO:
         layout = resource_layout(cfg)  # computed once for the checks, the workers and the loop
         check_config(cfg, "grpo", layout=layout)
         ensure_runnable(cfg, layout=layout)
-        ensure_fits(cfg, layout, "grpo")  # before any model is loaded
-        self.cfg, self.settings = cfg, grpo_settings(cfg, layout)
+        batching = resolve_batching(cfg, layout, "grpo")  # token budgets: the recipe's, or fitted here
+        ensure_fits(cfg, layout, batching, "grpo")  # before any model is loaded
+        self.cfg, self.settings = cfg, grpo_settings(cfg, layout, batching)
         self.always_compute_prev = always_compute_prev
         age = self.settings.max_trajectory_age
         self.prefetcher = RolloutPrefetcher[Collected](age) if age is not None else None
@@ -250,7 +252,7 @@ class GRPO:
         metrics["train/shaped_reward"] = float(shaped.mean())
         return shaped
 
-    def _masked_batch(self, rollouts: Sequence[Rollout], advantages: torch.Tensor) -> TrainingBatch | None:
+    def _masked_batch(self, rollouts: Sequence[Rollout], advantages: torch.Tensor) -> UpdateBatch | None:
         """The training batch: truncated responses masked (overlong filtering), whole global batches of
         rows (or one optimizer step on all rows that split over the ranks); None when nothing is left."""
         pad = self.ctx.policy.tokenizer.pad_token_id
@@ -265,9 +267,9 @@ class GRPO:
         batch = batch.select(0, rows) if rows < len(batch) else batch
         if self.cfg.grpo.skip_zero_advantage_rows:
             batch = batch.with_(inert=inert_rows(batch, self.cfg.loss_fn.reference_policy_kl_penalty))
-        return TrainingBatch(batch, global_batch, rows == global_batch and not self.always_compute_prev)
+        return UpdateBatch(batch, global_batch, rows == global_batch and not self.always_compute_prev)
 
-    def _update(self, trainable: TrainingBatch, timer: PhaseTimer) -> Update:
+    def _update(self, trainable: UpdateBatch, timer: PhaseTimer) -> Update:
         """The logprob passes, then the optimizer steps; the worker's metrics as ``train/*``."""
         policy, settings = self.ctx.policy, self.settings
         temperature = self.cfg.policy.generation.temperature
@@ -304,7 +306,7 @@ class GRPO:
 
     # --------------------------------------------------------------------------------- around the step
 
-    def _throughput(self, trained: TrainingBatch, timing: dict[str, float]) -> dict[str, float]:
+    def _throughput(self, trained: UpdateBatch, timing: dict[str, float]) -> dict[str, float]:
         """Tokens per second of each phase, and per worker with its imbalance on Ray."""
         policy = self.ctx.policy
         batch = trained.batch
@@ -467,7 +469,7 @@ def overlong_shaping(cfg: MasterConfig) -> OverlongShaping | None:
     return shaping if shaping_cfg.enabled else None
 
 
-def grpo_settings(cfg: MasterConfig, layout: ResourceLayout) -> GRPOSettings:
+def grpo_settings(cfg: MasterConfig, layout: ResourceLayout, batching: ResolvedBatching) -> GRPOSettings:
     # every key is read whether or not its feature is on (a key nothing reads would be silently ignored)
     grpo, generation = cfg.grpo, cfg.policy.generation
     dynamic = grpo.use_dynamic_sampling
@@ -490,8 +492,8 @@ def grpo_settings(cfg: MasterConfig, layout: ResourceLayout) -> GRPOSettings:
             generation.top_k,
             greedy=grpo.val_greedy,
         ),
-        train_batching=micro_batching(cfg, "train"),
-        logprob_batching=micro_batching(cfg, "logprob"),
+        train_batching=micro_batching(cfg, "train", batching),
+        logprob_batching=micro_batching(cfg, "logprob", batching),
         data_parallel=layout.train_dp,
         max_trajectory_age=max_age if grpo.async_grpo.enabled else None,
     )

@@ -16,7 +16,7 @@ from rlfleet.config.layout import resource_layout
 from rlfleet.data import Prompt
 from rlfleet.data.prompts import CONTEXT_SPANS, response_target_and_mask
 from rlfleet.generation import GenerationBackend, SamplingParams
-from rlfleet.memory_plan import ensure_fits
+from rlfleet.memory.planner import ensure_fits, resolve_batching
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import NLLLossFn
 from rlfleet.rollouts.evaluate import evaluate
@@ -51,10 +51,11 @@ class SFT:
         layout = resource_layout(cfg)  # computed once for the checks and the run
         check_config(cfg, "sft", layout=layout)
         ensure_runnable(cfg, layout=layout)
-        ensure_fits(cfg, layout, "sft")  # before any model is loaded
+        batching = resolve_batching(cfg, layout, "sft")  # token budgets: the recipe's, or fitted here
+        ensure_fits(cfg, layout, batching, "sft")  # before any model is loaded
         self.cfg, sft = cfg, cfg.sft
         self.loss_fn = NLLLossFn(token_level=cfg.loss_fn.token_level_loss)
-        self.train_batching = micro_batching(cfg, "train", "sft")  # rows, dynamic batching or packing
+        self.train_batching = micro_batching(cfg, "train", batching)  # rows, dynamic batching or packing
         self.ctx, self.backend, self.data = start_run(
             cfg,
             layout,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from rlfleet.policy.batch import TrainBatch
-from rlfleet.policy.loss import Normalizer
+from rlfleet.policy.loss_math import Normalizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

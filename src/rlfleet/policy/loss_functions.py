@@ -1,7 +1,7 @@
 """Loss functions applied by the policy worker to one micro-batch.
 
 A loss function is called as ``loss_fn(logprobs, micro_batch, normalizer) -> (loss, metrics)`` where the
-returned loss is this micro-batch's share of the global loss (see ``rlfleet.policy.loss.aggregate``) and
+returned loss is this micro-batch's share of the global loss (see ``rlfleet.policy.loss_math.aggregate``) and
 ``metrics`` holds *sums* over the micro-batch that the worker adds up and divides at the end.
 
 Metric sums are divided by the global normalisers (``aggregate``), so summed over micro-batches and ranks
@@ -21,7 +21,7 @@ from rlfleet.policy.importance_sampling import (
     TruncationType,
     importance_weights,
 )
-from rlfleet.policy.loss import (
+from rlfleet.policy.loss_math import (
     KL_TYPES,
     KLType,
     Normalizer,
@@ -50,7 +50,7 @@ class ClippedPGLossFn:
     """GRPO's loss: clipped policy gradient plus ``kl_penalty`` x an estimate of KL(pi || pi_ref).
 
     The KL estimator is ``kl_type`` (k1, k2, k3), weighted so that its expected gradient is that of
-    KL(pi || pi_ref) (:func:`~rlfleet.policy.loss.kl_gradient_weights`); with
+    KL(pi || pi_ref) (:func:`~rlfleet.policy.loss_math.kl_gradient_weights`); with
     ``use_on_policy_kl_approximation`` the weight is also the importance ratio ``pi / pi_gen`` against the
     generation engine's logprobs, which the batch must then carry (NeMo RL's key of that name).
 
@@ -59,7 +59,8 @@ class ClippedPGLossFn:
     (``batch.prev_logprobs`` must then be None). The ratio is 1 in value and the gradient of the clipped
     objective is the policy gradient, as with a separately computed ``prev``, without the extra pass.
 
-    Variants, each a pure function of :mod:`rlfleet.policy.loss` / :mod:`rlfleet.policy.importance_sampling`:
+    Variants, each a pure function of :mod:`rlfleet.policy.loss_math` or
+    :mod:`rlfleet.policy.importance_sampling`:
     ``sequence_level_ratios`` (GSPO: one ratio per sequence, needs ``token_level=False``),
     ``max_length`` (Dr.GRPO: token sums divided by a constant length, needs ``token_level=False``), and the
     importance-sampling correction (``importance_sampling_correction``) bounded by ``truncation``

@@ -27,15 +27,14 @@ from typing import Literal
 import torch
 
 from rlfleet.policy.batch import TrainBatch
-from rlfleet.policy.loss import Normalizer
+from rlfleet.policy.loss_math import Normalizer
 from rlfleet.utils.intmath import round_up
 
 # A packed row runs at a width from a short list: its real tokens rounded up to one of 16 widths per
 # doubling (``packed_width``), the rest one sequence of padding that no real token attends to. oneDNN and
-# ideep keep a compiled CPU matmul primitive per shape (15 per new width on SmolLM2: forward and both
-# gradients of the 4 linear shapes, plus the logprob chunks), so a new width every step grew the trainer
-# step after step (issue 20); on the list, the widths of a run's steps repeat. It costs at most 1/16 of the
-# row (3% on average).
+# ideep keep a compiled CPU matmul primitive per shape (several per new width: forward and both gradients of
+# each linear shape, plus the logprob chunks), so a new width every step grew the trainer step after step
+# (issue 20); on the list, the widths of a run's steps repeat. It costs at most 1/16 of the row in padding.
 PACKED_WIDTHS_PER_DOUBLING = 16
 
 PackingAlgorithm = Literal["first_fit_decreasing", "modified_first_fit_decreasing", "concatenative"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -19,6 +20,7 @@ from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.layout import ResourceLayout
 from rlfleet.data import Example
 from rlfleet.environments.builtin import BUILTIN
+from rlfleet.environments.interface import EnvironmentInterface
 from rlfleet.environments.runner import (
     STEP_IN_WORKER,
     EnvRunner,
@@ -92,40 +94,58 @@ def _pool(cfg: MasterConfig, layout: ResourceLayout, workers: int, timeout_s: fl
     return ProcessWorkerPool(STEP_IN_WORKER, workers, timeout_s, convert=checked_outcome)
 
 
-def build_env_runners(
-    cfg: MasterConfig, layout: ResourceLayout, names: Sequence[str]
-) -> dict[str, EnvRunner]:
-    """A runner per environment name: in the trainer (``num_workers=0``), else in worker processes (Ray
-    actors on Ray). Each class is built here first, so a bad path or cfg fails before any worker starts.
+@dataclass(frozen=True)
+class LoadedEnvironment:
+    """One ``env.<name>`` of the recipe, its class built (the trainer's own instance) and where it steps."""
+
+    name: str
+    path: str  # class path, or a built-in name
+    settings: dict[str, Any]  # the constructor's cfg
+    num_workers: int  # 0: steps in the trainer
+    timeout_s: float
+    environment: EnvironmentInterface[Any]
+
+
+def load_environments(cfg: MasterConfig, examples: Iterable[Example]) -> dict[str, LoadedEnvironment]:
+    """The environments the rows use (the default one for rows naming none), each class built once here, so
+    that a bad name, path or cfg fails before anything expensive starts.
 
     Raises:
+        UserError: A row or ``data.env_name`` names an environment the recipe does not configure.
         EnvironmentLoadError: A class that cannot be imported or built.
     """
+    loaded = {}
+    for name in environment_names(cfg, examples):
+        path, settings, workers, timeout_s = environment_settings(cfg, name)
+        environment = build_environment(path, settings)
+        loaded[name] = LoadedEnvironment(name, path, settings, workers, timeout_s, environment)
+    return loaded
+
+
+def start_runners(
+    cfg: MasterConfig, layout: ResourceLayout, environments: Mapping[str, LoadedEnvironment]
+) -> dict[str, EnvRunner]:
+    """A runner per environment: in the trainer (``num_workers=0``), else in worker processes (Ray actors
+    when the run is on Ray: start them once Ray is up, after the policy). The caller owns the workers:
+    :func:`close_runners` stops them."""
     runners: dict[str, EnvRunner] = {}
     with ExitStack() as started:
-        for name in names:
-            path, settings, workers, timeout_s = environment_settings(cfg, name)
-            environment = build_environment(path, settings)
-            if workers == 0:
-                runners[name] = InProcessRunner(name, environment)
+        for name, env in environments.items():
+            if env.num_workers == 0:
+                runners[name] = InProcessRunner(name, env.environment)
                 continue
-            pool = _pool(cfg, layout, workers, timeout_s)
+            pool = _pool(cfg, layout, env.num_workers, env.timeout_s)
             started.callback(pool.close)
-            runners[name] = PooledRunner(name, path, settings, environment, pool)
+            runners[name] = PooledRunner(name, env.path, env.settings, env.environment, pool)
         started.pop_all()
     return runners
 
 
-def environment_runners(
-    cfg: MasterConfig, layout: ResourceLayout, examples: Iterable[Example]
-) -> dict[str, EnvRunner]:
-    """The runners of the environments the rows use (the default one for rows naming none)."""
-    return build_env_runners(cfg, layout, environment_names(cfg, examples))
-
-
-def prompt_tools(cfg: MasterConfig, runners: Mapping[str, EnvRunner]) -> Sequence[Mapping[str, Any]] | None:
+def prompt_tools(
+    cfg: MasterConfig, environments: Mapping[str, LoadedEnvironment]
+) -> Sequence[Mapping[str, Any]] | None:
     """The tool schemas the prompts render: the default environment's (None for ``math``)."""
-    return runners[cfg.data.env_name].environment.tools
+    return environments[cfg.data.env_name].environment.tools
 
 
 def build_episode_runner(

@@ -275,8 +275,7 @@ class EpisodeRunner:
     # ------------------------------------------------------------------------------------------ results
 
     def _rollout(self, episode: Episode) -> Rollout:
-        """The episode as a rollout; a single-turn one (no observation) reads exactly as its one response:
-        the engine's text, no conversation."""
+        """The episode as a rollout; a single-turn one's text is exactly its one response's (the engine's)."""
         single_turn = episode.turns == 1  # no observation follows a last turn
         text = (
             episode.messages[-1]["content"]
@@ -300,7 +299,7 @@ class EpisodeRunner:
             result,
             episode.reward,
             mask=tuple(episode.mask),
-            conversation=None if single_turn else tuple(episode.messages),
+            conversation=tuple(episode.messages),
             info=info,
         )
 

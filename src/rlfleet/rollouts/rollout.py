@@ -25,8 +25,7 @@ class Rollout:
         result: The tokens after the prompt and their logprobs (an episode's: every turn and observation).
         reward: The reward (an episode's return).
         mask: 1 on the tokens the model sampled, 0 on observation tokens; None: every token is sampled.
-        conversation: A multi-turn episode's messages, turn by turn; None for a single-turn one (its
-            prompt and response say it all).
+        conversation: The episode's messages, turn by turn (None where a rollout was made by hand).
         info: An episode's counters (``turns``, ``cut``, ``tool_calls``...).
     """
 

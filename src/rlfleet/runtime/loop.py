@@ -24,8 +24,9 @@ from rlfleet.policy.interface import Policy
 from rlfleet.rollouts.environments import (
     build_episode_runner,
     close_runners,
-    environment_runners,
+    load_environments,
     prompt_tools,
+    start_runners,
 )
 from rlfleet.rollouts.episodes import EpisodeRunner
 from rlfleet.runtime.components import TaskData, build_policy, load_prompts
@@ -119,12 +120,13 @@ def start_run(
     examples = load_task(cfg.data)  # every data row checked before anything expensive starts
     with ExitStack() as started:
         # every environment class is built once here: a bad one fails before any model loads
-        runners = environment_runners(cfg, layout, [*examples[0], *examples[1]])
-        started.callback(close_runners, runners)
+        environments = load_environments(cfg, [*examples[0], *examples[1]])
         policy, backend = build_policy(cfg, layout, seed=seed, keep_reference=keep_reference)
         started.callback(policy.close)
+        runners = start_runners(cfg, layout, environments)  # on Ray: once the policy has started it
+        started.callback(close_runners, runners)
         data = load_prompts(
-            cfg, policy.tokenizer, max_val_samples, examples, tools=prompt_tools(cfg, runners)
+            cfg, policy.tokenizer, max_val_samples, examples, tools=prompt_tools(cfg, environments)
         )
         system_prompt = resolve_system_prompt(cfg.data)
         episodes = build_episode_runner(cfg, backend, policy.tokenizer, runners, system_prompt)
