@@ -32,7 +32,7 @@ from rlfleet.config.layout import resource_layout
 from rlfleet.deploy.cli import add_deploy_commands
 from rlfleet.errors import UserError
 from rlfleet.logging.capture import ConsoleCapture
-from rlfleet.utils.allocator import run_on_jemalloc
+from rlfleet.memory.allocator import run_on_jemalloc
 
 log = logging.getLogger("rlfleet")
 
@@ -83,12 +83,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     cfg = _load(args.recipe, args.overrides)
     layout = resource_layout(cfg)
     check_config(cfg, args.algorithm, layout=layout)
-    from rlfleet.memory_plan import ensure_fits, explained_budgets
+    from rlfleet.memory.planner import ensure_fits, resolve_batching
 
-    ensure_fits(cfg, layout, args.algorithm)
+    batching = resolve_batching(cfg, layout, args.algorithm)
+    ensure_fits(cfg, layout, batching, args.algorithm)
     print(config_to_yaml(cfg), end="")
     if args.algorithm == "grpo":
-        described = describe_algorithm(cfg, explained_budgets(cfg))
+        described = describe_algorithm(cfg, batching)
         print("# GRPO as configured:", *[f"#   {k}: {v}" for k, v in described], sep="\n")
     not_here = unsupported_settings(cfg, layout=layout)
     if not_here:
@@ -97,7 +98,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from rlfleet.plan import format_plan, make_plan
+    from rlfleet.memory.report import format_plan, make_plan
 
     cfg = _load(args.recipe, args.overrides)
     check_config(cfg, "grpo")
@@ -147,7 +148,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlfleet", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="rlfleet",
+        description=(
+            "Reinforcement-learning post-training of language models (GRPO, SFT): recipes are YAML files "
+            "with key=value overrides. A mistake in the input (a config key, a data row, a checkpoint, "
+            "cluster capacity, a missing extra) prints its message and exits with code 2; --debug (or "
+            "RLFLEET_DEBUG=1) adds the traceback."
+        ),
+    )
     parser.add_argument(
         "-v",
         "--verbose",

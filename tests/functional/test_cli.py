@@ -235,3 +235,11 @@ def test_no_usable_checkpoint_exits_2_listing_each(capsys, tiny_model_dir: Path,
     )
     assert code == 2
     assert "none of the 1 checkpoint(s)" in err and f"step_1: {SHARD}" in err and "Traceback" not in err
+
+
+def test_help_reads_as_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":class:" not in out and "exits with code 2" in out

@@ -228,3 +228,21 @@ def test_the_step_line_shows_the_validation_time_beside_its_accuracy() -> None:
     )
     assert line.endswith("| val_acc 0.281 (8.0s)")
     assert format_step_line(0, 60, {"val/accuracy": 0.078125}) == "step 0/60 | val_acc 0.078"
+
+
+def test_a_step_line_for_validations_and_the_last_step_only_under_a_bar() -> None:
+    from rlfleet.logging.console import prints_step_line
+
+    printed = [s for s in range(1, 481) if prints_step_line(s, 480, validated=s % 40 == 0, bar_active=True)]
+    assert printed == [*range(40, 481, 40)]  # the validations, the last step among them
+    assert prints_step_line(7, 480, validated=False, bar_active=True) is False
+    assert prints_step_line(480, 480, validated=False, bar_active=True) is True
+
+
+def test_without_a_bar_about_twenty_step_lines_per_run(capsys: pytest.CaptureFixture[str]) -> None:
+    with Progress(total=100, desc="train", enabled=False) as progress:
+        for step in range(1, 101):
+            progress.step_done(step, {"train/reward": 0.5}, validated=step == 50)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 20 and lines[-1] == "step 100/100 | reward 0.500"
+    assert all(line.startswith("step ") for line in lines)

@@ -1,4 +1,5 @@
-"""Console output: one readable line per training step, and a tqdm progress bar that degrades to prints."""
+"""Console output: a tqdm progress bar over the steps, with a readable line for each validation step and the
+last one (without a terminal, plain lines: those, and about 20 more per run)."""
 
 from __future__ import annotations
 
@@ -112,6 +113,25 @@ def format_step_line(step: int, total: int, metrics: Mapping[str, float]) -> str
     return " | ".join(parts)
 
 
+PLAIN_LINES_PER_RUN = 20  # without a bar: about this many step lines per run, besides validations
+
+
+def prints_step_line(step: int, total: int, validated: bool, bar_active: bool) -> bool:
+    """Whether step ``step`` gets its own console line: a validation step or the last one always; the
+    others never under a progress bar (it shows them), else about :data:`PLAIN_LINES_PER_RUN` per run."""
+    if validated or step >= total:
+        return True
+    return not bar_active and step % max(1, total // PLAIN_LINES_PER_RUN) == 0
+
+
+def bar_postfix(metrics: Mapping[str, Any]) -> dict[str, str]:
+    """The latest step's headline numbers, shown beside the bar."""
+    shown = {"train/reward": "reward", "train/accuracy": "acc", "timing/total": "s/step"}
+    return {
+        label: f"{value:.3g}" for key, label in shown.items() if (value := _get(metrics, key)) is not None
+    }
+
+
 class Progress:
     """A tqdm progress bar over training steps that falls back to plain prints.
 
@@ -152,6 +172,13 @@ class Progress:
     def set_postfix(self, **kwargs: Any) -> None:
         if self._bar is not None:
             self._bar.set_postfix(**kwargs)
+
+    def step_done(self, step: int, metrics: Mapping[str, Any], validated: bool) -> None:
+        """Advances the bar to ``step`` and prints the step's line when :func:`prints_step_line` says so."""
+        self.update()
+        self.set_postfix(**bar_postfix(metrics))
+        if prints_step_line(step, self.total, validated, self.bar_active):
+            self.write(format_step_line(step, self.total, metrics))
 
     def close(self) -> None:
         if self._bar is not None:

@@ -223,7 +223,8 @@ def run_loop(
         while ctx.step < ctx.total_steps:
             metrics = step_fn()
             ctx.step += 1
-            if should_validate(ctx.step, ctx.total_steps, val_period, val_at_end):
+            validated = should_validate(ctx.step, ctx.total_steps, val_period, val_at_end)
+            if validated:
                 metrics.update(timed_validation(validate_fn))
             ctx.last_metrics = {**ctx.last_metrics, **metrics}
             if should_checkpoint(ctx):
@@ -231,8 +232,7 @@ def run_loop(
                 save_checkpoint(ctx, dict(metrics), checkpoint_loader_state())
                 metrics["timing/checkpoint"] = time.perf_counter() - start
             ctx.logger.log(ctx.step, metrics)
-            progress.update()
-            progress.write(format_step_line(ctx.step, ctx.total_steps, metrics))
+            progress.step_done(ctx.step, metrics, validated)
         progress.close()
         plot_run(ctx.logger.log_dir)
         return metrics
