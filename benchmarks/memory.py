@@ -5,7 +5,7 @@ AdamW state, as the SmolLM2 recipes run on a CPU with native bf16), one small wa
 AdamW moments exist, as in a run), then the measured pass twice on one packed micro-batch of ``tokens``
 tokens (rows of 96 prompt + 160 response tokens). "measured" is the child's peak resident memory (Linux
 ``VmHWM``, reset after the warm-up) over both; "estimated" is the sum of the parts ``rlfleet plan`` prints
-for the same layout (``rlfleet.memory_plan.memory_plan`` on the recipe with these overrides). Rows whose
+for the same layout (``rlfleet.memory.planner.memory_plan`` on the recipe with these overrides). Rows whose
 estimate exceeds 75% of the available memory are not run (the run would refuse them, or risk the OOM
 killer). On a GPU, ``torch.cuda.max_memory_allocated`` replaces resident memory and no process or heap
 term is estimated.
@@ -55,7 +55,7 @@ def overrides(mode: str, pass_: str, tokens: int, precision: str) -> list[str]:
 def estimate(mode: str, pass_: str, tokens: int, precision: str, allocator: str) -> dict[str, float]:
     from rlfleet.config import load_recipe, resolve_recipe_path
     from rlfleet.config.layout import resource_layout
-    from rlfleet.memory_plan import count_parameters, memory_plan
+    from rlfleet.memory.planner import count_parameters, memory_plan
 
     cfg = load_recipe(resolve_recipe_path(RECIPE), overrides(mode, pass_, tokens, precision))
     assert cfg.policy.architecture is not None
@@ -100,9 +100,9 @@ def child(spec: dict) -> dict:
     """One measured row, in this (fresh) process."""
     import torch
 
+    from rlfleet.memory.allocator import running_allocator
+    from rlfleet.memory.probes import release_free_memory, take_peak_resident_bytes
     from rlfleet.policy.microbatch import MicroBatching
-    from rlfleet.utils.allocator import running_allocator
-    from rlfleet.utils.memory import release_free_memory, take_peak_resident_bytes
 
     worker, loss = _worker(spec["mode"], spec["precision"])
     chunk = MODES[spec["mode"]][1]
@@ -139,10 +139,10 @@ def growth_child(spec: dict) -> dict:
     (0: every row at its exact width)."""
     import torch
 
+    from rlfleet.memory.allocator import running_allocator
+    from rlfleet.memory.probes import release_free_memory, resident_bytes
     from rlfleet.policy import microbatch
     from rlfleet.policy.microbatch import MicroBatching
-    from rlfleet.utils.allocator import running_allocator
-    from rlfleet.utils.memory import release_free_memory, resident_bytes
 
     if spec["widths"] == 0:
         microbatch.PACKED_WIDTHS_PER_DOUBLING = 1 << 40  # rounds to a multiple of 1: exact widths
@@ -168,7 +168,7 @@ def growth_child(spec: dict) -> dict:
 
 def child_env(allocator: str) -> dict[str, str]:
     """The environment of a measured child: on jemalloc as ``rlfleet`` runs one, or on glibc's malloc."""
-    from rlfleet.utils.allocator import ENV, reexec_argv
+    from rlfleet.memory.allocator import ENV, reexec_argv
 
     env = {**os.environ, ENV: allocator}
     plan = reexec_argv(env, [sys.executable], sys.executable)

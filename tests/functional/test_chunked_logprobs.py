@@ -194,6 +194,7 @@ def test_a_model_that_transforms_its_logits_is_refused() -> None:
 
 
 def test_the_recipe_key_reaches_both_passes() -> None:
+    from rlfleet.config.batching import recipe_batching
     from rlfleet.config.describe import describe_algorithm
     from rlfleet.config.loader import load_recipe, resolve_recipe_path
     from rlfleet.runtime.components import micro_batching
@@ -202,13 +203,13 @@ def test_the_recipe_key_reaches_both_passes() -> None:
         cfg = load_recipe(
             resolve_recipe_path("grpo-smollm2-135m-arithmetic-cpu"), ["policy.logprob_chunk_size=512", *extra]
         )
-        assert micro_batching(cfg, "train").logprob_chunk == 512
-        assert micro_batching(cfg, "logprobs").logprob_chunk == 512
+        assert micro_batching(cfg, "train", recipe_batching(cfg.policy)).logprob_chunk == 512
+        assert micro_batching(cfg, "logprob", recipe_batching(cfg.policy)).logprob_chunk == 512
         assert "in chunks of 512 tokens" in dict(describe_algorithm(cfg))["micro-batches"]
     cfg = load_recipe(
         resolve_recipe_path("grpo-smollm2-135m-arithmetic-cpu"), ["policy.logprob_chunk_size=null"]
     )
-    assert micro_batching(cfg, "train").logprob_chunk is None
+    assert micro_batching(cfg, "train", recipe_batching(cfg.policy)).logprob_chunk is None
     with pytest.raises(ValueError, match="positive"):
         MicroBatching(rows=2, logprob_chunk=0)
 

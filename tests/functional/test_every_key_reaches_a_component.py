@@ -22,7 +22,7 @@ from rlfleet.algorithms.evaluation import run_eval
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.algorithms.sft import SFT
 from rlfleet.config import MasterConfig, check_config, load_recipe, resolve_recipe_path, schema_keys
-from rlfleet.plan import make_plan
+from rlfleet.memory.report import make_plan
 from tests.conftest import small_grpo_config
 
 DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"

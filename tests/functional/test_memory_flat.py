@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.logging import read_metrics
-from rlfleet.utils.allocator import ENV, find_jemalloc
+from rlfleet.memory.allocator import ENV, find_jemalloc
 from tests.conftest import small_grpo_overrides
 
 pytestmark = pytest.mark.slow

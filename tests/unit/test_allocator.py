@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.utils import allocator
-from rlfleet.utils.allocator import (
+from rlfleet.memory import allocator
+from rlfleet.memory.allocator import (
     ACTIVE_ENV,
     ENV,
     JEMALLOC_CONF,
@@ -134,8 +134,8 @@ def test_the_purge_hands_back_what_a_pass_freed_on_jemalloc() -> None:
         pytest.skip("no jemalloc here")
     code = (
         "import torch\n"
-        "from rlfleet.utils.allocator import running_allocator\n"
-        "from rlfleet.utils.memory import release_free_memory, resident_bytes\n"
+        "from rlfleet.memory.allocator import running_allocator\n"
+        "from rlfleet.memory.probes import release_free_memory, resident_bytes\n"
         "assert running_allocator() == 'jemalloc', running_allocator()\n"
         "before = resident_bytes()\n"
         "blocks = [torch.ones(2**20) for _ in range(256)]\n"  # 1 GiB in 4 MiB blocks

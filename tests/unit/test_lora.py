@@ -9,6 +9,8 @@ from torch import nn
 from rlfleet.config import ConfigError, load_recipe, resolve_recipe_path, unsupported_settings
 from rlfleet.config.schema import MasterConfig
 from rlfleet.generation.weights import engine_state
+from rlfleet.memory.planner import count_lora_parameters, count_parameters
+from rlfleet.memory.report import format_plan, make_plan
 from rlfleet.models.lora import (
     LoRALinear,
     LoraSettings,
@@ -23,7 +25,6 @@ from rlfleet.models.lora import (
     merge_adapters,
     select_targets,
 )
-from rlfleet.plan import count_lora_parameters, count_parameters, format_plan, make_plan
 
 SETTINGS = LoraSettings(dim=4, alpha=8.0)
 

@@ -1,4 +1,5 @@
-"""The memory estimate of `plan`/`validate` (rlfleet.memory_estimate, rlfleet.memory_plan).
+"""The memory estimate of `plan`/`validate` (rlfleet.memory.estimate, rlfleet.memory.planner) and the token
+budgets resolved from it (``resolve_batching``).
 
 The per-layer activation count is checked exactly against what autograd saves in transformers' Llama; the
 whole tensor estimate of a pass against the measured peak of live tensors of a tiny model's logprob and
@@ -8,18 +9,22 @@ refusal against a machine made small.
 
 from __future__ import annotations
 
+import typing
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlfleet.cli import main
 from rlfleet.config import load_recipe, resolve_recipe_path
 from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.layout import resource_layout
-from rlfleet.config.schema import ArchitectureConfig
-from rlfleet.memory_estimate import (
+from rlfleet.config.schema import ArchitectureConfig, OptimizerConfig
+from rlfleet.memory.estimate import (
     GIB,
     ModelState,
     PassShape,
@@ -27,13 +32,13 @@ from rlfleet.memory_estimate import (
     logprob_peak,
     train_peak,
 )
-from rlfleet.memory_plan import (
+from rlfleet.memory.planner import (
+    OPTIMIZER_STATE_BYTES,
     count_parameters,
-    explained_budgets,
-    fitted_budgets,
     largest_fitting_tokens,
     memory_plan,
     memory_problems,
+    resolve_batching,
 )
 from rlfleet.models.loading import ModelSource
 from rlfleet.models.tiny import TinyModelSpec, create_tiny_model
@@ -41,7 +46,6 @@ from rlfleet.policy.batch import collate
 from rlfleet.policy.microbatch import MicroBatching
 from rlfleet.policy.worker import PolicyWorker
 from rlfleet.runtime.components import micro_batching
-from rlfleet.utils.memory import LiveTensorBytes
 from tests.conftest import TEST_OPTIMIZER, pg_loss
 
 SHAPES = [  # hidden, intermediate, heads, kv heads
@@ -92,6 +96,43 @@ def test_layer_activation_bytes_is_what_autograd_saves(
 
 
 # ------------------------------------------------------------------ the estimate against a measured pass
+
+
+class LiveTensorBytes(TorchDispatchMode):  # type: ignore[misc]
+    """Counts the bytes of CPU tensor storages created under it that are still alive; ``peak`` is the
+    most at once. Storages an op was given (in-place results, views) are not new and are not counted
+    (every op goes through Python: slow on large models)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def _free(self, key: int, size: int) -> None:
+        self._seen.discard(key)
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        given = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in self._seen and key not in given:
+                size = storage.nbytes()
+                self._seen.add(key)
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._free, key, size)
+        return out
+
 
 SPEC = TinyModelSpec(num_hidden_layers=2, vocab_size=512)  # hidden 128, intermediate 384, 4 heads, 2 kv
 
@@ -182,8 +223,8 @@ def _machine(monkeypatch: pytest.MonkeyPatch, gib: float) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("RLFLEET_MEMORY_CHECK", raising=False)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    monkeypatch.setattr("rlfleet.memory_plan.cpu_available_bytes", lambda: int(gib * GIB))
-    monkeypatch.setattr("rlfleet.memory_plan.running_allocator", lambda: "glibc")
+    monkeypatch.setattr("rlfleet.memory.planner.cpu_available_bytes", lambda: int(gib * GIB))
+    monkeypatch.setattr("rlfleet.memory.planner.running_allocator", lambda: "glibc")
 
 
 def test_the_layout_the_oom_killer_ended_is_refused_with_the_estimate_and_a_fix(
@@ -230,6 +271,10 @@ def test_the_suggested_fixes_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     assert memory_problems(fixed) == []
 
 
+def _fitted(cfg) -> dict[str, int]:
+    return {pass_: budget.tokens for pass_, budget in resolve_batching(cfg).fitted().items()}
+
+
 def test_an_unset_budget_is_the_largest_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Packing (or dynamic batching) without a token budget: the largest that fits with 30% headroom,
     at most a rank's whole share of the batch, instead of rows x sequence budget; so the layout the OOM
@@ -241,26 +286,52 @@ def test_an_unset_budget_is_the_largest_that_fits(monkeypatch: pytest.MonkeyPatc
     layout, n = resource_layout(cfg), count_parameters(cfg.policy.architecture)
     train = largest_fitting_tokens(cfg, layout, n, n, "train")
     assert train is not None and 640 <= train < 10240
-    assert fitted_budgets(cfg) == {"train": train, "logprob": 10240}  # 16 rows x 640: all of them fit
+    batching = resolve_batching(cfg, layout)
+    assert batching.section == "sequence_packing"
     # each budget says why it is what it is: capped by memory, or by the rows there are to fit
-    assert explained_budgets(cfg) == {
+    assert {k: (b.tokens, b.why) for k, b in batching.fitted().items()} == {
         "train": (train, "the largest that fits this machine's memory with headroom"),
         "logprob": (10240, "a rank's whole share of the batch, which fits this machine's memory"),
-    }
-    described = dict(describe_algorithm(cfg, explained_budgets(cfg)))["micro-batches"]
+    }  # 16 rows x 640: all of them fit
+    described = dict(describe_algorithm(cfg, batching))["micro-batches"]
     assert f"up to {train:,} tokens per training pass and 10,240 per logprob pass" in described
     assert "(train_mb_tokens: the largest that fits" in described
     assert "logprob_mb_tokens: a rank's whole share of the batch" in described
-    assert micro_batching(cfg, "train").tokens == train and micro_batching(cfg, "logprob").tokens == 10240
-    assert memory_problems(cfg) == []
+    # the builder reads the resolved budget (and logs it), it does not resolve one of its own
+    monkeypatch.setattr("rlfleet.memory.planner.cpu_available_bytes", lambda: pytest.fail("resolved again"))
+    assert micro_batching(cfg, "train", batching).tokens == train
+    assert micro_batching(cfg, "logprob", batching).tokens == 10240
+    _machine(monkeypatch, 22.8)
+    assert memory_problems(cfg, layout, "grpo", batching) == []
     assert memory_plan(cfg, layout, n, n).tokens == {"train": train, "logprob": 10240}
-    assert fitted_budgets(_cfg(*unset, "policy.sequence_packing.train_mb_tokens=2048")) == {"logprob": 10240}
+    assert _fitted(_cfg(*unset, "policy.sequence_packing.train_mb_tokens=2048")) == {"logprob": 10240}
+    assert resolve_batching(cfg, layout, "sft").budgets.keys() == {"train"}  # SFT has no logprob pass
+    assert memory_problems(cfg, layout, "sft") == []  # nor is one fitted for it
     monkeypatch.setenv("RLFLEET_MEMORY_CHECK", "off")
-    assert fitted_budgets(cfg) == {} and micro_batching(cfg, "train").tokens == 16 * 640
+    recipe = resolve_batching(cfg)
+    assert recipe.fitted() == {} and micro_batching(cfg, "train", recipe).tokens == 16 * 640
+    assert recipe.budget("train").why == "max_total_sequence_length x train_micro_batch_size"
     monkeypatch.delenv("RLFLEET_MEMORY_CHECK")
-    assert fitted_budgets(_cfg(*unset, "cluster.num_nodes=2")) == {}
+    assert _fitted(_cfg(*unset, "cluster.num_nodes=2")) == {}
     _machine(monkeypatch, 4.0)  # not one sequence fits: the recipe's default, and the refusal
-    assert fitted_budgets(cfg) == {} and memory_problems(cfg)
+    assert _fitted(cfg) == {} and memory_problems(cfg)
+
+
+def test_the_fitted_budget_is_logged_once_per_pass(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _machine(monkeypatch, 22.8)
+    cfg = _cfg(*OOM_LAYOUT[:-2])
+    batching = resolve_batching(cfg)
+    with caplog.at_level("INFO", logger="rlfleet"):
+        micro_batching(cfg, "train", batching)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("policy.sequence_packing.train_mb_tokens=") and "the largest that fits" in line
+
+
+def test_every_optimizer_the_schema_admits_has_its_state_size() -> None:
+    admitted = typing.get_args(OptimizerConfig.model_fields["name"].annotation)
+    assert set(admitted) == set(OPTIMIZER_STATE_BYTES)
 
 
 def test_jemalloc_keeps_no_heap_retention(monkeypatch: pytest.MonkeyPatch) -> None:

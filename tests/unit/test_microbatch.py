@@ -7,6 +7,13 @@ import pytest
 import torch
 
 from rlfleet.config import ConfigError, MasterConfig, check_config
+from rlfleet.config.batching import (
+    Pass,
+    ResolvedBatching,
+    TokenBudget,
+    recipe_batching,
+    token_budget_section,
+)
 from rlfleet.policy.batch import collate
 from rlfleet.policy.logprobs import pack_rows
 from rlfleet.policy.microbatch import (
@@ -174,13 +181,33 @@ def _cfg(*overrides: str) -> MasterConfig:
     return validate_config(raw)
 
 
+def _batching(cfg: MasterConfig, pass_: Pass) -> MicroBatching:
+    return micro_batching(cfg, pass_, recipe_batching(cfg.policy))
+
+
 def test_micro_batching_from_config_and_its_defaults() -> None:
-    assert micro_batching(_cfg(), "train") == MicroBatching(rows=8)
+    assert _batching(_cfg(), "train") == MicroBatching(rows=8)
     packed = _cfg("sequence_packing.enabled=true", "sequence_packing.logprob_mb_tokens=300")
-    assert micro_batching(packed, "train") == MicroBatching(rows=8, tokens=128 * 8, pack=True)
-    assert micro_batching(packed, "logprob") == MicroBatching(rows=16, tokens=300, pack=True)
+    assert _batching(packed, "train") == MicroBatching(rows=8, tokens=128 * 8, pack=True)
+    assert _batching(packed, "logprob") == MicroBatching(rows=16, tokens=300, pack=True)
     dyn = _cfg("dynamic_batching.enabled=true", "dynamic_batching.sequence_length_round=32")
-    assert micro_batching(dyn, "logprob") == MicroBatching(rows=16, tokens=128 * 16, round_to=32)
+    assert _batching(dyn, "logprob") == MicroBatching(rows=16, tokens=128 * 16, round_to=32)
+
+
+def test_one_function_says_which_token_budget_applies() -> None:
+    assert token_budget_section(_cfg().policy) is None
+    assert token_budget_section(_cfg("dynamic_batching.enabled=true").policy) == "dynamic_batching"
+    packed = _cfg("sequence_packing.enabled=true", "sequence_packing.train_mb_tokens=512")
+    assert token_budget_section(packed.policy) == "sequence_packing"
+    resolved = recipe_batching(packed.policy)
+    assert resolved.budget("train") == TokenBudget(512, "set by the recipe")
+    assert resolved.budget("logprob") == TokenBudget(
+        128 * 16, "max_total_sequence_length x logprob_batch_size"
+    )
+    assert resolved.fitted() == {}
+    assert recipe_batching(_cfg().policy) == ResolvedBatching(None)
+    with pytest.raises(KeyError, match="no token budget resolved for the logprob pass"):
+        micro_batching(packed, "logprob", recipe_batching(packed.policy, ("train",)))
 
 
 def test_both_modes_at_once_and_small_budgets_are_refused() -> None:

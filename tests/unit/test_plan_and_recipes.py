@@ -10,7 +10,8 @@ from rlfleet.cli import main
 from rlfleet.config import ConfigError, check_config, load_recipe, resolve_recipe_path, shipped_recipe_names
 from rlfleet.config.checks import layout_problems
 from rlfleet.config.layout import resource_layout
-from rlfleet.plan import count_parameters, make_plan
+from rlfleet.memory.planner import count_parameters
+from rlfleet.memory.report import make_plan
 from rlfleet.rollouts.evaluate import pass_at_k
 from tests.conftest import SEED_COMMAND_LINE
 

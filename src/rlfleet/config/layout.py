@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlfleet.config.resolved import generation_backend
+from rlfleet.config.backends import BACKENDS
+from rlfleet.config.resolved import BackendName, generation_backend
 from rlfleet.config.schema import MasterConfig
 
 
@@ -28,7 +29,7 @@ class ResourceLayout:
     gen_gpus_per_node: int
     train_tp: int
     gen_tp: int
-    backend: str
+    backend: BackendName  # what it can do: rlfleet.config.backends.backend_of(layout)
 
     @property
     def train_world(self) -> int:
@@ -65,7 +66,7 @@ def resource_layout(cfg: MasterConfig) -> ResourceLayout:
     else:
         shape = _dedicated_shape(cfg)
     train_nodes, train_gpn, gen_nodes, gen_gpn = shape
-    backend = generation_backend(cfg).name
+    backend = BACKENDS[generation_backend(cfg).name]
     return ResourceLayout(
         num_nodes=c.num_nodes,
         gpus_per_node=c.gpus_per_node,
@@ -75,6 +76,6 @@ def resource_layout(cfg: MasterConfig) -> ResourceLayout:
         gen_nodes=gen_nodes,
         gen_gpus_per_node=gen_gpn,
         train_tp=cfg.policy.dtensor_cfg.tensor_parallel_size,
-        gen_tp=gen.vllm_cfg.tensor_parallel_size if backend == "vllm" else 1,
-        backend=backend,
+        gen_tp=gen.vllm_cfg.tensor_parallel_size if backend.tensor_parallel else 1,
+        backend=backend.name,
     )

@@ -73,11 +73,15 @@ def policy_precision(cfg: MasterConfig) -> ResolvedPrecision:
     return cpu_precision(cpu_flags())
 
 
+BackendName = Literal["hf", "vllm"]
+
+
 @dataclass(frozen=True)
 class ResolvedBackend:
-    """``policy.generation.backend`` as the run generates with, and why."""
+    """``policy.generation.backend`` as the run generates with, and why (what each backend can do:
+    :mod:`rlfleet.config.backends`)."""
 
-    name: Literal["hf", "vllm"]
+    name: BackendName
     reason: str
 
 

@@ -510,9 +510,14 @@ class CustomEnvConfig(Strict):
     cfg: dict[str, Any] = Field({}, description="Passed to the class's constructor.")
 
 
+BUILTIN_ENVIRONMENTS = ("math", "tools", "code")
+"""The environments rlfleet ships, each with its ``env.<name>`` section below (their classes:
+``rlfleet.environments.builtin.BUILTIN``, which a unit test holds to these names)."""
+
+
 class EnvConfig(Strict):
-    """Environments by name: the built-in ``math``, ``tools`` and ``code``, and any other name for a user's
-    environment (``env.<name>.environment: my_pkg.envs:MyEnv``, see :class:`CustomEnvConfig`)."""
+    """Environments by name: the built-in ones (:data:`BUILTIN_ENVIRONMENTS`), and any other name for a
+    user's environment (``env.<name>.environment: my_pkg.envs:MyEnv``, see :class:`CustomEnvConfig`)."""
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
@@ -532,11 +537,11 @@ class EnvConfig(Strict):
                 problems = "; ".join(
                     f"env.{name}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
                 )
-                close = difflib.get_close_matches(name, ["math", "tools", "code"], n=1)
+                close = difflib.get_close_matches(name, BUILTIN_ENVIRONMENTS, n=1)
                 typo = f"did you mean env.{close[0]}? " if close else ""
                 raise ValueError(
-                    f"{typo}env.{name} is not a built-in environment (math, tools, code), so it must be a "
-                    "user's: "
+                    f"{typo}env.{name} is not a built-in environment ({', '.join(BUILTIN_ENVIRONMENTS)}), so "
+                    "it must be a user's: "
                     f"env.{name}.environment (import path of the class), num_workers, timeout_s, cfg "
                     f"({problems})"
                 ) from None

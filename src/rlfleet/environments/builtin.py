@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from rlfleet.config.schema import BUILTIN_ENVIRONMENTS
 from rlfleet.environments.code import CodeProblem, run_tests
 from rlfleet.environments.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
 from rlfleet.environments.sandbox import SandboxLimits
@@ -218,3 +219,4 @@ BUILTIN: dict[str, type[EnvironmentInterface[Any]]] = {
     "code": CodeEnvironment,
 }
 """The environments a recipe may name without an import path (``env.<name>`` with these names)."""
+assert tuple(BUILTIN) == BUILTIN_ENVIRONMENTS, "BUILTIN follows rlfleet.config.schema.BUILTIN_ENVIRONMENTS"

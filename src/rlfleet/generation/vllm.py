@@ -47,6 +47,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from rlfleet.config.backends import BACKENDS
 from rlfleet.generation.interface import GenerationResult, SamplingParams
 from rlfleet.generation.sampling import row_seeds
 from rlfleet.generation.weights import buckets, engine_state
@@ -55,7 +56,7 @@ from rlfleet.models.loading import DTYPES
 log = logging.getLogger("rlfleet")
 
 EXTENSION = "rlfleet.generation.vllm_worker_ext.WeightReloadExtension"
-CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when the environment does not set it
+CPU_KV_CACHE_GIB = str(BACKENDS["vllm"].cpu_kv_cache_gib)  # VLLM_CPU_KVCACHE_SPACE when unset
 RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 # On a CPU vLLM keeps one core per worker for its scheduler process; in synchronous GRPO the engine runs
 # alone while it generates, so its worker computes on every core instead (benchmarks/vllm_cpu_setup.py).
@@ -231,8 +232,8 @@ class VLLMGenerationBackend:
         os.environ.setdefault(RESERVED_CPU_ENV, CPU_RESERVED_DEFAULT)
         if not torch.cuda.is_available():
             # vllm-cpu 0.32 saves AOT-compiled graphs it cannot load back ("'function' object has no
-            # attribute 'finalize_loading'") and compiles again every start (~70 s on 2 cores); its other
-            # compile cache works: a second start of the same model took 39 s instead of 87 s.
+            # attribute 'finalize_loading'") and compiles again every start; its other compile cache
+            # works, so a second start of the same model is faster without the AOT one.
             os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         kwargs: dict[str, Any] = {
             "model": self.model_dir,

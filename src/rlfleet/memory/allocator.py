@@ -1,15 +1,13 @@
 """Which ``malloc`` a CPU training process runs on: jemalloc where one is installed, glibc's otherwise.
 
 PyTorch's CPU tensors come from ``malloc``. Under glibc, a training pass's activations (blocks under its
-adaptive mmap threshold, up to 32 MiB) fragment the heap, and the blocks above it are mapped and faulted in
-afresh each time. Measured on SmolLM2-135M (bf16, one packed micro-batch of 10,240 tokens, activation
-checkpointing, chunked logprobs; ``benchmarks/memory.py``, issue 20): glibc peaked at 7.26 GiB resident and
-took 34.5 s a pass; jemalloc with the settings below 4.01 GiB and 24.1 s. Returning freed pages to the OS
-as they are freed costs more than it saves (jemalloc's default decay: 3.72 GiB, 53.9 s; glibc with a 4 MiB
-mmap threshold: 3.87 GiB, 54.9 s): every block is faulted in again. So jemalloc keeps what a pass frees
-for the next allocation (no decay, one arena for large blocks as for small ones: PyTorch's own CPU launcher
-``torch.backends.xeon.run_cpu`` uses the same ``MALLOC_CONF``), and ``release_free_memory`` hands it all
-back once a training pass ends.
+adaptive mmap threshold) fragment the heap, and the blocks above it are mapped and faulted in afresh each
+time: a pass peaks higher and runs slower than on jemalloc with the settings below (``benchmarks/memory.py``
+compares the two, issue 20). Returning freed pages to the OS as they are freed costs more than it saves
+(jemalloc's default decay, or glibc with a low mmap threshold): every block is faulted in again. So
+jemalloc keeps what a pass frees for the next allocation (no decay, one arena for large blocks as for small
+ones: PyTorch's own CPU launcher ``torch.backends.xeon.run_cpu`` uses the same ``MALLOC_CONF``), and
+``release_free_memory`` (:mod:`rlfleet.memory.probes`) hands it all back once a training pass ends.
 
 ``LD_PRELOAD`` only takes effect when a process starts, so the ``rlfleet`` command re-executes itself once
 with it set (``reexec_argv``; every command, so that ``plan`` and ``validate`` estimate for the allocator the

@@ -15,14 +15,14 @@ of a pass (Hugging Face's Llama-style decoder, SDPA attention, rlfleet's policy 
   its gradients; with ``policy.logprob_chunk_size`` only one chunk of tokens at a time;
 - **gradients** (float32, trained parameters) at the end of the backward and the optimizer step;
 - on a CPU, the process itself (Python, PyTorch, transformers, tokenizer) and what glibc's heap keeps
-  resident of the blocks a backward frees (measured: about 0.3 of the layer activations it allocated, see
+  resident of the blocks a backward frees (a share of the layer activations it allocated,
   ``CPU_HEAP_RETENTION``), so the CPU estimate is of resident memory, the GPU one of
   ``torch.cuda.max_memory_allocated``.
 
 The per-token constants were counted with ``saved_tensors_hooks`` on transformers' Llama and checked
 against the peak of live tensors and the peak resident memory of SmolLM2-135M training passes
-(``benchmarks/memory.py``); ``tests/unit/test_memory_estimate.py`` holds the tensor part to within 25% of
-a tiny model's measured peak.
+(``benchmarks/memory.py`` prints both); ``tests/unit/test_memory_estimate.py`` holds the tensor part to a
+tiny model's measured peak.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from rlfleet.config.schema import ArchitectureConfig
 GIB = 1024**3
 
 # bytes per logit element at the peak of a pass, measured on SmolLM2 (benchmarks/memory.py): the logprob
-# pass keeps the compute-dtype logits, a float32 copy and logsumexp's float32 temporary (2 + 4 + 4); the
-# training pass also holds the float32 softmax gradient, the scattered target gradient and their cast
+# pass keeps the compute-dtype logits, a float32 copy and logsumexp's float32 temporary; the training pass
+# also holds the float32 softmax gradient, the scattered target gradient and their cast
 LOGIT_BYTES = {"logprob": 10.0, "train": 15.6}
 # resident memory of the trainer process beside its tensors on a CPU (interpreter, PyTorch, transformers,
-# tokenizer, data): measured 0.6-1.0 GiB for SmolLM2 (benchmarks/memory.py)
+# tokenizer, data), as measured for SmolLM2 (benchmarks/memory.py)
 CPU_PROCESS_BYTES = int(0.8 * GIB)
 # glibc keeps freed heap blocks resident; during a backward on a CPU the heap grew by about this share of
-# the layer activations the pass allocated (SmolLM2, bf16 and float32, with and without checkpointing).
+# the layer activations the pass allocated (SmolLM2 in both precisions, with and without checkpointing).
 # Blocks from glibc's largest mmap threshold up are mapped and unmapped on their own: never retained.
 CPU_HEAP_RETENTION = 0.3
 MMAP_THRESHOLD_MAX = 32 * 1024**2
@@ -102,7 +102,7 @@ def layer_activation_bytes(a: ArchitectureConfig, compute_bytes: int, tensor_par
 def layer_transient_bytes(a: ArchitectureConfig, compute_bytes: int, tensor_parallel: int = 1) -> float:
     """Bytes per token a layer's forward without autograd holds at once: the float32 residual stream,
     the norm's output and its casts, the MLP's gate, up, activation and product, the attention's query,
-    key and value (measured on tiny Llamas to within 10%): what a logprob pass adds to the model state."""
+    key and value (checked against tiny Llamas): what a logprob pass adds to the model state."""
     q, kv = a.num_attention_heads * head_dim(a), a.num_key_value_heads * head_dim(a)
     return 16 * a.hidden_size + compute_bytes * (4 * a.intermediate_size + q + 2 * kv) / tensor_parallel
 
@@ -146,7 +146,7 @@ def train_peak(
     """Bytes at the peak of a training pass, by part (the larger of the backward's start and its end,
     where the gradients are); on a CPU with the process, and the heap's retention under glibc's
     ``malloc`` (jemalloc, as ``rlfleet`` runs a training process where it is installed, reuses what the
-    backward frees: ``rlfleet.utils.allocator``)."""
+    backward frees: ``rlfleet.memory.allocator``)."""
     held = {
         "weights (fp32)": state.weights,
         "AdamW moments (fp32)": state.optimizer,
@@ -154,8 +154,8 @@ def train_peak(
         "compute copies": state.compute_copies,
     }
     backward = activation_bytes(a, shape) + logit_bytes(a, shape, "train")
-    # at the end of the backward the float32 gradients exist (AdamW's update adds less than they do:
-    # measured on SmolLM2, the pass's peak with nothing else left was the gradients plus the casts)
+    # at the end of the backward the float32 gradients exist (AdamW's update adds less than they do: on
+    # SmolLM2 the pass's peak with nothing else left was the gradients plus the casts)
     if backward >= state.gradients:
         held |= {"activations": activation_bytes(a, shape), "logits": logit_bytes(a, shape, "train")}
     else:

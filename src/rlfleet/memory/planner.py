@@ -1,6 +1,7 @@
-"""A recipe's memory on the machine that runs it: the estimate of ``rlfleet.memory_estimate`` for its
-layout, compared with what the machine has, and the refusal ``validate`` and the run give before any
-model is loaded when it does not fit.
+"""A recipe's memory on the machine that runs it: the estimate of ``rlfleet.memory.estimate`` for its
+layout, compared with what the machine has; the token budgets the run uses (``resolve_batching``: the
+recipe's, or where it leaves one unset the largest that fits); and the refusal ``validate`` and the run give
+before any model is loaded when it does not fit (``ensure_fits``).
 
 On a CPU every process of the run shares the machine's memory: the training ranks (one process, or one
 Ray actor per rank) and the generation engines (vLLM's engine process with its own weights and KV cache
@@ -11,35 +12,51 @@ trains elsewhere and nothing here is compared.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rlfleet.config.batching import Pass, micro_batch_rows, micro_batch_tokens
+from rlfleet.config.backends import backend_of
+from rlfleet.config.batching import (
+    PASSES,
+    Pass,
+    ResolvedBatching,
+    TokenBudget,
+    budget_key,
+    recipe_budget,
+    set_budget,
+    token_budget_section,
+)
 from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.checks import Algorithm
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.resolved import policy_precision
 from rlfleet.config.schema import ArchitectureConfig, MasterConfig
-from rlfleet.memory_estimate import (
+from rlfleet.memory.allocator import running_allocator
+from rlfleet.memory.estimate import (
     GIB,
     ModelState,
     PassShape,
     logprob_peak,
     train_peak,
 )
-from rlfleet.utils.allocator import running_allocator
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# bytes of optimizer state per trained parameter, for each policy.optimizer.name the schema admits: AdamW's
+# two float32 moments (m and v)
+OPTIMIZER_STATE_BYTES = {"torch.optim.AdamW": 8, "AdamW": 8}
 # a CPU vLLM engine process beside its weights and KV cache space (interpreter, torch, vLLM)
 VLLM_CPU_PROCESS_BYTES = int(1.0 * GIB)
-# a default token budget (packing, dynamic batching) may use this share of the memory left to one rank
+# a fitted token budget (packing, dynamic batching) may use this share of the memory left to one rank
 BUDGET_HEADROOM = 0.7
-# the share of the memory an estimate may reach before validate and the run refuse it: the estimate was
-# within 12% of the measured peak on SmolLM2 (benchmarks/memory.py), and an underestimate meets the OOM killer
+# the share of the memory an estimate may reach before validate and the run refuse it: the estimate is close
+# to the measured peak (benchmarks/memory.py compares them), and an underestimate meets the OOM killer
 REFUSAL_SHARE = 0.9
-# RLFLEET_MEMORY_CHECK=off runs a layout whose estimate exceeds the machine's memory (the estimate is within
-# about 25% of the measured peak; a user who knows better may try)
+# RLFLEET_MEMORY_CHECK=off runs a layout whose estimate exceeds the machine's memory (the estimate is not
+# exact; a user who knows better may try)
 SKIP_ENV = "RLFLEET_MEMORY_CHECK"
+# the passes each algorithm runs (SFT has no logprob pass)
+ALGORITHM_PASSES: dict[Algorithm, tuple[Pass, ...]] = {"grpo": PASSES, "sft": ("train",)}
 
 
 @dataclass(frozen=True)
@@ -145,17 +162,8 @@ def _available(cfg: MasterConfig, on_gpu: bool) -> int | None:
     return cpu_available_bytes()
 
 
-def pass_tokens(cfg: MasterConfig, pass_: Pass, algorithm: Algorithm = "grpo") -> int:
-    """Tokens of a ``pass_`` micro-batch: the packing/dynamic budget (set, or ``default_budget``), else
-    rows x sequence budget."""
-    budget = default_budget(cfg, pass_, algorithm) or micro_batch_tokens(cfg.policy, pass_)
-    if budget is not None:
-        return budget
-    return micro_batch_rows(cfg.policy, pass_) * cfg.policy.max_total_sequence_length
-
-
 def check_enabled() -> bool:
-    """False when ``RLFLEET_MEMORY_CHECK`` is off: no refusal, and budgets default as the recipe says."""
+    """False when ``RLFLEET_MEMORY_CHECK`` is off: no refusal, and unset budgets take the recipe's default."""
     return os.environ.get(SKIP_ENV, "").lower() not in ("0", "off", "false", "no")
 
 
@@ -171,35 +179,42 @@ def parameter_counts(cfg: MasterConfig) -> tuple[int, int]:
     return parameters, trainable
 
 
-def fitted_budgets(cfg: MasterConfig, algorithm: Algorithm = "grpo") -> dict[Pass, int]:
-    """``default_budget`` of each pass where it applies."""
-    passes: tuple[Pass, ...] = ("train",) if algorithm == "sft" else ("train", "logprob")
-    found = {pass_: default_budget(cfg, pass_, algorithm) for pass_ in passes}
-    return {pass_: n for pass_, n in found.items() if n is not None}
+def resolve_batching(
+    cfg: MasterConfig, layout: ResourceLayout | None = None, algorithm: Algorithm = "grpo"
+) -> ResolvedBatching:
+    """The token budget of each pass ``algorithm`` runs, resolved once before the run is built (the
+    builders, ``ensure_fits``, ``plan`` and ``validate`` read it): under the enabled section
+    (``token_budget_section``), the recipe's budget where it sets one, else the largest that fits this
+    machine (``fitted_budget``), else the recipe's default (``max_total_sequence_length x`` the rows)."""
+    section = token_budget_section(cfg.policy)
+    if section is None:
+        return ResolvedBatching(None)
+    layout = layout if layout is not None else resource_layout(cfg)
+    budgets = {}
+    for pass_ in ALGORITHM_PASSES[algorithm]:
+        fitted = None
+        if set_budget(cfg.policy, section, pass_) is None:
+            fitted = fitted_budget(cfg, layout, pass_, algorithm)
+        budgets[pass_] = fitted or recipe_budget(cfg.policy, section, pass_)
+    return ResolvedBatching(section, budgets)
 
 
-def explained_budgets(cfg: MasterConfig, algorithm: Algorithm = "grpo") -> dict[Pass, tuple[int, str]]:
-    """``fitted_budgets`` with why each is what it is (``budget_basis``)."""
-    return {pass_: (n, budget_basis(cfg, pass_, n)) for pass_, n in fitted_budgets(cfg, algorithm).items()}
-
-
-def default_budget(cfg: MasterConfig, pass_: Pass, algorithm: Algorithm = "grpo") -> int | None:
-    """The ``pass_`` token budget of packing or dynamic batching enabled without one: the largest that
-    fits this machine with ``BUDGET_HEADROOM`` (``largest_fitting_tokens``), at most the tokens of a rank's
-    whole share of the batch. None where the recipe's own default stands (``max_total_sequence_length x``
-    the rows): a budget set, neither enabled, no ``policy.architecture``, a run that trains elsewhere, the
-    check off, or not even one sequence fitting (the run is then refused with the estimate)."""
+def fitted_budget(
+    cfg: MasterConfig, layout: ResourceLayout, pass_: Pass, algorithm: Algorithm = "grpo"
+) -> TokenBudget | None:
+    """The ``pass_`` token budget for a recipe that leaves it unset: the largest that fits this machine with
+    ``BUDGET_HEADROOM`` (``largest_fitting_tokens``), at most the tokens of a rank's whole share of the
+    batch, with why (``budget_basis``). None where the recipe's own default stands: no
+    ``policy.architecture``, a run that trains elsewhere, the check off, or not even one sequence fitting
+    (the run is then refused with the estimate)."""
     p = cfg.policy
-    section = next((s for s in (p.sequence_packing, p.dynamic_batching) if s.enabled), None)
-    if section is None or p.architecture is None or not check_enabled() or not trains_here(cfg):
+    if p.architecture is None or not check_enabled() or not trains_here(cfg):
         return None
-    if (section.train_mb_tokens if pass_ == "train" else section.logprob_mb_tokens) is not None:
-        return None
-    layout = resource_layout(cfg)
     best = largest_fitting_tokens(cfg, layout, *parameter_counts(cfg), pass_, algorithm)
     if best is None or best < p.max_total_sequence_length:
         return None
-    return min(best, whole_share_tokens(cfg, layout, pass_))
+    tokens = min(best, whole_share_tokens(cfg, layout, pass_))
+    return TokenBudget(tokens, budget_basis(cfg, layout, pass_, tokens), fitted=True)
 
 
 def whole_share_tokens(cfg: MasterConfig, layout: ResourceLayout, pass_: Pass) -> int:
@@ -214,10 +229,10 @@ def whole_share_tokens(cfg: MasterConfig, layout: ResourceLayout, pass_: Pass) -
     return max(-(-rows // layout.train_world), 1) * p.max_total_sequence_length
 
 
-def budget_basis(cfg: MasterConfig, pass_: Pass, tokens: int) -> str:
-    """Why ``default_budget`` chose ``tokens``: the whole share of the batch (a micro-batch can hold no
+def budget_basis(cfg: MasterConfig, layout: ResourceLayout, pass_: Pass, tokens: int) -> str:
+    """Why ``fitted_budget`` chose ``tokens``: the whole share of the batch (a micro-batch can hold no
     more, and it fits), or the largest that fits this machine with headroom."""
-    if tokens >= whole_share_tokens(cfg, resource_layout(cfg), pass_):
+    if tokens >= whole_share_tokens(cfg, layout, pass_):
         return "a rank's whole share of the batch, which fits this machine's memory"
     return "the largest that fits this machine's memory with headroom"
 
@@ -243,16 +258,15 @@ def model_state(
         copies = compute * parameters
     return ModelState(
         weights=4 * parameters / world,
-        optimizer=8 * trainable / world,
+        optimizer=OPTIMIZER_STATE_BYTES[cfg.policy.optimizer.name] * trainable / world,
         gradients=4 * trainable / world,
         reference=compute * parameters / world if reference else 0.0,
         compute_copies=copies,
     )
 
 
-def _shape(cfg: MasterConfig, layout: ResourceLayout, pass_: Pass, tokens: int | None = None) -> PassShape:
+def _shape(cfg: MasterConfig, layout: ResourceLayout, tokens: int) -> PassShape:
     p = cfg.policy
-    tokens = tokens if tokens is not None else pass_tokens(cfg, pass_)
     return PassShape(
         tokens=tokens,
         logit_tokens=min(tokens, p.logprob_chunk_size or tokens),
@@ -263,21 +277,26 @@ def _shape(cfg: MasterConfig, layout: ResourceLayout, pass_: Pass, tokens: int |
 
 
 def _generation(cfg: MasterConfig, layout: ResourceLayout, parameters: int, on_gpu: bool) -> dict[str, float]:
-    """CPU vLLM engine processes (weights, KV cache space, process); nothing where generation has its
-    own GPUs or shares the policy's weights in process."""
-    if on_gpu or layout.backend != "vllm":
+    """CPU engine processes of a backend with memory of its own (weights, KV cache space, process);
+    nothing where generation has its own GPUs or shares the policy's weights in process."""
+    backend = backend_of(layout)
+    if on_gpu or not backend.own_memory:
         return {}
-    v = cfg.policy.generation.vllm_cfg
-    dtype = v.precision or policy_precision(cfg).name
-    from rlfleet.generation.vllm import CPU_KV_CACHE_GIB
-
-    kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or CPU_KV_CACHE_GIB) * GIB
-    engines = layout.gen_engines
+    dtype = generation_precision(cfg, layout)
+    kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or backend.cpu_kv_cache_gib) * GIB
+    engines, name = layout.gen_engines, backend.display_name
     return {
-        f"vLLM weights ({dtype})": engines * BYTES[dtype] * parameters,
-        "vLLM KV cache space": engines * kv,
-        "vLLM processes": engines * VLLM_CPU_PROCESS_BYTES,
+        f"{name} weights ({dtype})": engines * BYTES[dtype] * parameters,
+        f"{name} KV cache space": engines * kv,
+        f"{name} processes": engines * VLLM_CPU_PROCESS_BYTES,
     }
+
+
+def generation_precision(cfg: MasterConfig, layout: ResourceLayout) -> str:
+    """The dtype of the generation weights: ``vllm_cfg.precision`` for a backend it configures, else (or
+    when null) the policy's."""
+    precision = cfg.policy.generation.vllm_cfg.precision if backend_of(layout).reads_vllm_cfg else None
+    return precision or policy_precision(cfg).name
 
 
 def memory_plan(
@@ -286,32 +305,26 @@ def memory_plan(
     parameters: int,
     trainable: int,
     *,
-    tokens: dict[str, int] | None = None,
+    tokens: Mapping[str, int] | None = None,
     algorithm: Algorithm = "grpo",
     allocator: str | None = None,
 ) -> MemoryPlan:
-    """The estimate for ``cfg`` running ``algorithm`` on this machine (``tokens`` overrides each pass's
-    micro-batch tokens; SFT has no logprob pass) with this process's ``malloc`` (or ``allocator``:
-    ``glibc`` or ``jemalloc``; the ``rlfleet`` command line runs on jemalloc where it is installed)."""
+    """The estimate for ``cfg`` running ``algorithm`` on this machine with each pass's micro-batch
+    ``tokens`` (by default those of ``resolve_batching``; SFT has no logprob pass) and this process's
+    ``malloc`` (or ``allocator``: ``glibc`` or ``jemalloc``; the ``rlfleet`` command line runs on jemalloc
+    where it is installed)."""
     on_gpu = trains_on_gpu(cfg)
     allocator = allocator or running_allocator()
     arch = cfg.policy.architecture
     assert arch is not None, "memory_plan needs policy.architecture"
     state = model_state(cfg, layout, parameters, trainable, algorithm)
-    sizes = {
-        pass_: (tokens or {}).get(pass_) or pass_tokens(cfg, pass_, algorithm)
-        for pass_ in ("logprob", "train")
-    }
+    if tokens is None:
+        tokens = pass_tokens(cfg, resolve_batching(cfg, layout, algorithm))
+    sizes = {pass_: tokens[pass_] for pass_ in ("logprob", "train")}
     passes = {
-        "logprob": logprob_peak(
-            arch, state, _shape(cfg, layout, "logprob", sizes["logprob"]), cpu=not on_gpu
-        ),
+        "logprob": logprob_peak(arch, state, _shape(cfg, layout, sizes["logprob"]), cpu=not on_gpu),
         "train": train_peak(
-            arch,
-            state,
-            _shape(cfg, layout, "train", sizes["train"]),
-            cpu=not on_gpu,
-            allocator=allocator,
+            arch, state, _shape(cfg, layout, sizes["train"]), cpu=not on_gpu, allocator=allocator
         ),
     }
     if algorithm == "sft":
@@ -362,19 +375,25 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
+def pass_tokens(cfg: MasterConfig, batching: ResolvedBatching) -> dict[str, int]:
+    """Tokens of each pass's largest micro-batch under ``batching``."""
+    return {pass_: batching.micro_batch_tokens(cfg.policy, pass_) for pass_ in PASSES}
+
+
 def _fixes(
-    cfg: MasterConfig, layout: ResourceLayout, parameters: int, trainable: int, algorithm: Algorithm
+    cfg: MasterConfig,
+    layout: ResourceLayout,
+    parameters: int,
+    trainable: int,
+    algorithm: Algorithm,
+    batching: ResolvedBatching,
 ) -> list[str]:
     p, fixes = cfg.policy, []
-    section = next(
-        (name for name in ("sequence_packing", "dynamic_batching") if getattr(p, name).enabled), None
-    )
-    passes: tuple[tuple[Pass, str], ...] = (("train", "train_mb_tokens"), ("logprob", "logprob_mb_tokens"))
-    for pass_, key in passes[: 1 if algorithm == "sft" else 2]:
+    for pass_ in ALGORITHM_PASSES[algorithm]:
         best = largest_fitting_tokens(cfg, layout, parameters, trainable, pass_, algorithm)
-        if best is not None and best < pass_tokens(cfg, pass_, algorithm):
-            if section is not None:
-                fixes.append(f"policy.{section}.{key}={best}")
+        if best is not None and best < batching.micro_batch_tokens(p, pass_):
+            if batching.section is not None:
+                fixes.append(f"policy.{batching.section}.{budget_key(pass_)}={best}")
             else:
                 rows = "train_micro_batch_size" if pass_ == "train" else "logprob_batch_size"
                 fixes.append(f"policy.{rows}={max(best // p.max_total_sequence_length, 1)}")
@@ -386,21 +405,27 @@ def _fixes(
 
 
 def memory_problems(
-    cfg: MasterConfig, layout: ResourceLayout | None = None, algorithm: Algorithm = "grpo"
+    cfg: MasterConfig,
+    layout: ResourceLayout | None = None,
+    algorithm: Algorithm = "grpo",
+    batching: ResolvedBatching | None = None,
 ) -> list[str]:
-    """One line per way ``cfg``'s estimated peak exceeds this machine's memory (none when the recipe has
-    no ``policy.architecture`` or the machine's memory cannot be known here)."""
+    """One line per way ``cfg``'s estimated peak, with the token budgets of ``batching`` (the run's
+    ``resolve_batching``, resolved here if not given), exceeds this machine's memory (none when the recipe
+    has no ``policy.architecture`` or the machine's memory cannot be known here)."""
     if cfg.policy.architecture is None or not check_enabled():
         return []
     layout = layout if layout is not None else resource_layout(cfg)
+    batching = batching if batching is not None else resolve_batching(cfg, layout, algorithm)
     parameters, trainable = parameter_counts(cfg)
-    plan = memory_plan(cfg, layout, parameters, trainable, algorithm=algorithm)
+    tokens = pass_tokens(cfg, batching)
+    plan = memory_plan(cfg, layout, parameters, trainable, tokens=tokens, algorithm=algorithm)
     if plan.available is None or plan.total() <= REFUSAL_SHARE * plan.available:
         return []
     where = "one GPU" if plan.on_gpu else "this machine"
     worst = max(plan.passes, key=lambda k: sum(plan.passes[k].values()))
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in plan.passes[worst].items())
-    fixes = _fixes(cfg, layout, parameters, trainable, algorithm)
+    fixes = _fixes(cfg, layout, parameters, trainable, algorithm, batching)
     return [
         f"memory: the estimated peak, {_gib(plan.total())}, exceeds {round(100 * REFUSAL_SHARE)}% of the "
         f"{_gib(plan.available)} available on {where} ({worst} pass of {plan.tokens[worst]:,} tokens per "
@@ -412,10 +437,11 @@ def memory_problems(
 
 
 def ensure_fits(
-    cfg: MasterConfig, layout: ResourceLayout | None = None, algorithm: Algorithm = "grpo"
+    cfg: MasterConfig, layout: ResourceLayout, batching: ResolvedBatching, algorithm: Algorithm = "grpo"
 ) -> None:
-    """Raises ``ConfigError`` when ``cfg``'s estimated peak memory exceeds what this machine has."""
-    problems = memory_problems(cfg, layout, algorithm)
+    """Raises ``ConfigError`` when ``cfg``'s estimated peak memory, with the run's token budgets
+    (``batching``, from ``resolve_batching``), exceeds what this machine has."""
+    problems = memory_problems(cfg, layout, algorithm, batching)
     if problems:
         raise ConfigError(
             problems, header="the run would not fit in memory (rlfleet plan shows the estimate):"

@@ -3,7 +3,7 @@
 Memory assumptions (FSDP2 mixed precision as NeMo RL's DTensor path runs it): fp32 master weights, fp32
 gradients and fp32 AdamW moments (m and v), all sharded over every training GPU (FSDP over data parallel,
 DTensor over tensor parallel); bf16 compute copies, activations and logits come on top
-(:mod:`rlfleet.memory_estimate`, compared with this machine by :mod:`rlfleet.memory_plan`). Generation
+(:mod:`rlfleet.memory.estimate`, compared with this machine by :mod:`rlfleet.memory.planner`). Generation
 workers hold the weights in the policy precision, split over their tensor-parallel group, and the rest of
 ``gpu_memory_utilization`` goes to the KV cache. With LoRA the frozen base weights stay fp32 (sharded) and
 only the adapters have gradients and AdamW moments.
@@ -13,25 +13,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlfleet.config.backends import backend_of
+from rlfleet.config.batching import ResolvedBatching
 from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.checks import layout_problems, unsupported_settings
 from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.resolved import policy_precision
 from rlfleet.config.schema import MasterConfig
-from rlfleet.memory_estimate import GIB
-from rlfleet.memory_plan import (
+from rlfleet.memory.allocator import find_jemalloc, how_to_get_jemalloc
+from rlfleet.memory.estimate import GIB
+from rlfleet.memory.planner import (
     BUDGET_HEADROOM,
     BYTES,
+    OPTIMIZER_STATE_BYTES,
     count_lora_parameters,
     count_parameters,
-    explained_budgets,
+    generation_precision,
     largest_fitting_tokens,
     memory_plan,
     memory_problems,
+    pass_tokens,
+    resolve_batching,
     trains_on_gpu,
 )
-from rlfleet.utils.allocator import find_jemalloc, how_to_get_jemalloc
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,8 @@ class Plan:
     gen_memory_utilization: float
     gen_max_model_len: int
     gen_engine: str | None  # the vLLM engine's settings in one line; None with the HF backend
+    batching: ResolvedBatching  # the token budgets the run would use on this machine, with why
+    optimizer_state_bytes: int  # per trained parameter (AdamW: m and v in float32)
 
     def training_memory_gib(self) -> dict[str, float]:
         if self.parameters is None:
@@ -55,7 +62,7 @@ class Plan:
         return {
             "weights (fp32)": 4 * shard / GIB,
             "gradients (fp32)": 4 * trained / GIB,
-            "optimizer (AdamW m, v fp32)": 8 * trained / GIB,
+            "optimizer (AdamW m, v fp32)": self.optimizer_state_bytes * trained / GIB,
         }
 
 
@@ -86,7 +93,9 @@ def make_plan(cfg: MasterConfig) -> tuple[Plan, list[str]]:
         trainable_parameters=trainable,
         gen_memory_utilization=p.generation.vllm_cfg.gpu_memory_utilization,
         gen_max_model_len=p.generation.vllm_cfg.max_model_len or p.max_total_sequence_length,
-        gen_engine=vllm_engine_summary(cfg, layout=layout) if layout.backend == "vllm" else None,
+        gen_engine=vllm_engine_summary(cfg, layout=layout) if backend_of(layout).reads_vllm_cfg else None,
+        batching=resolve_batching(cfg, layout, "grpo"),
+        optimizer_state_bytes=OPTIMIZER_STATE_BYTES[p.optimizer.name],
     )
     return plan, problems
 
@@ -96,13 +105,13 @@ def vllm_engine_summary(cfg: MasterConfig, *, layout: ResourceLayout | None = No
 
     ``layout``: the recipe's ``resource_layout``, computed from ``cfg`` if not given.
     """
-    p = cfg.policy
+    p, layout = cfg.policy, layout if layout is not None else resource_layout(cfg)
     v = p.generation.vllm_cfg
     weights = "dummy, refitted before the first generation" if v.load_format == "dummy" else "the policy's"
     if uses_ray(cfg, layout=layout):  # a Ray-hosted engine starts without weights and receives the trainer's
         how = "gathered" if p.generation.colocated.enabled else "broadcast from training rank 0"
         weights = f"dummy, then the trainer's ({how}) before the first generation"
-    dtype = v.precision or policy_precision(cfg).name
+    dtype = generation_precision(cfg, layout)
     text = (
         f"vLLM ({'async' if v.async_engine else 'sync'}) {dtype}, max_model_len "
         f"{v.max_model_len or p.max_total_sequence_length}, weights at start: {weights}, "
@@ -145,13 +154,13 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
             "sequence budget",
             f"{p.max_total_sequence_length} tokens, max_new_tokens {p.generation.max_new_tokens}",
         ),
-        *describe_algorithm(cfg, explained_budgets(cfg)),
+        *describe_algorithm(cfg, plan.batching),
     ]
 
 
 def _micro_batches(cfg: MasterConfig, plan: Plan) -> str:
     p, dp = cfg.policy, plan.layout.train_dp
-    if p.sequence_packing.enabled or p.dynamic_batching.enabled:
+    if plan.batching.section is not None:
         rows = -(-p.train_global_batch_size // dp)
         return (
             f"{rows} row(s) per optimizer step per rank (DP {dp}), split by the token budgets below "
@@ -164,21 +173,23 @@ def _micro_batches(cfg: MasterConfig, plan: Plan) -> str:
 
 
 def _workers(cfg: MasterConfig, lay: ResourceLayout) -> str:
+    backend = backend_of(lay)
+    engine = f"{backend.display_name} engine"
     if not uses_ray(cfg, layout=lay):
-        if lay.backend == "vllm":
-            return "this process (no Ray) + its vLLM engine process (holds its own weights)"
+        if backend.holds_own_weights:
+            return f"this process (no Ray) + its {engine} process (holds its own weights)"
         return "this process (no Ray); generation shares the model"
     text = f"Ray: {lay.train_world} training actor(s) in {lay.train_nodes} placement group(s)"
     if lay.colocated:
-        if lay.backend == "vllm":
+        if backend.holds_own_weights:
             return (
-                text + f"; {lay.gen_engines} of them also host a vLLM engine over the GPU(s) of "
-                f"{lay.gen_tp} rank(s) (refit from the gathered weights)"
+                text + f"; {lay.gen_engines} of them also host a {engine} over the GPU(s) of {lay.gen_tp} "
+                "rank(s) (refit from the gathered weights)"
             )
         return text + ", each also generating (refit in place)"
-    if lay.backend == "vllm":
+    if backend.tensor_parallel:
         return (
-            text + f" + {lay.gen_engines} vLLM engine actor(s) of {lay.gen_tp} GPU(s) each "
+            text + f" + {lay.gen_engines} {engine} actor(s) of {lay.gen_tp} GPU(s) each "
             "(refit by broadcast from training rank 0)"
         )
     return text + f" + {lay.gen_world} generation actor(s) (refit by broadcast from training rank 0)"
@@ -186,9 +197,12 @@ def _workers(cfg: MasterConfig, lay: ResourceLayout) -> str:
 
 def _jemalloc_hint(cfg: MasterConfig, plan: Plan, glibc_train: dict[str, float], trainable: int) -> str:
     """What the training pass would save on jemalloc, and how to get it (glibc keeps part of what a
-    backward frees; SmolLM2's arithmetic recipe peaked at 7.5 GiB on glibc against 3.9 on jemalloc)."""
+    backward frees: ``heap_retention_bytes`` of :mod:`rlfleet.memory.estimate`)."""
     assert plan.parameters is not None
-    on_jemalloc = memory_plan(cfg, plan.layout, plan.parameters, trainable, allocator="jemalloc")
+    tokens = pass_tokens(cfg, plan.batching)
+    on_jemalloc = memory_plan(
+        cfg, plan.layout, plan.parameters, trainable, tokens=tokens, allocator="jemalloc"
+    )
     saved = (sum(glibc_train.values()) - sum(on_jemalloc.passes["train"].values())) / GIB
     return f"    {'':<22}jemalloc would cut the train pass peak by {saved:.1f} GiB: " + how_to_get_jemalloc(
         find_jemalloc()
@@ -200,7 +214,7 @@ def _memory_lines(cfg: MasterConfig, plan: Plan) -> list[str]:
     assert plan.parameters is not None
     lay, p = plan.layout, cfg.policy
     trainable = plan.trainable_parameters or plan.parameters
-    mem = memory_plan(cfg, lay, plan.parameters, trainable)
+    mem = memory_plan(cfg, lay, plan.parameters, trainable, tokens=pass_tokens(cfg, plan.batching))
     rank = "training GPU" if mem.on_gpu else "training process (CPU)"
     shard = f"state sharded over {lay.train_world}" if uses_ray(cfg, layout=lay) else "whole model"
     lines = [f"  memory per {rank} ({shard}; {policy_precision(cfg).name} compute):"]
@@ -222,20 +236,17 @@ def _memory_lines(cfg: MasterConfig, plan: Plan) -> list[str]:
     if mem.generation:
         detail = ", ".join(f"{k} {v / GIB:.2f}" for k, v in mem.generation.items())
         lines.append(f"  {'generation memory':<20}{sum(mem.generation.values()) / GIB:.1f} GiB ({detail})")
-    else:
-        gen_precision = (
-            (p.generation.vllm_cfg.precision or policy_precision(cfg).name)
-            if lay.backend == "vllm"
-            else policy_precision(cfg).name
-        )
+    else:  # on GPUs, or a backend without memory of its own
+        backend = backend_of(lay)
+        gen_precision = generation_precision(cfg, lay)
         gen_weights = plan.parameters * BYTES[gen_precision] / lay.gen_tp / GIB
-        where = "per generation GPU" if mem.on_gpu or lay.backend == "vllm" else "generation"
+        where = "per generation GPU" if mem.on_gpu else "generation"
         kv = (
             f"; KV cache: the rest of gpu_memory_utilization={plan.gen_memory_utilization} "
             f"(max_model_len {plan.gen_max_model_len})"
-            if lay.backend == "vllm"
+            if backend.own_memory
             else "; shares the policy's weights"
-            if lay.colocated
+            if lay.colocated and not backend.holds_own_weights
             else ""
         )
         lines.append(
@@ -246,14 +257,14 @@ def _memory_lines(cfg: MasterConfig, plan: Plan) -> list[str]:
         return lines
     what = "one GPU" if mem.on_gpu else "this machine"
     ranks = f"{mem.ranks_here} rank(s)" + (" + generation" if mem.generation else "")
-    problems = memory_problems(cfg, lay)
+    problems = memory_problems(cfg, lay, "grpo", plan.batching)
     verdict = "does NOT fit: `validate` and the run refuse it" if problems else "fits"
     lines.append(
         f"  {'fits':<20}{verdict}: estimate {mem.total() / GIB:.1f} GiB ({ranks}) of "
         f"{mem.available / GIB:.1f} GiB available on {what}"
     )
     lines += [f"  {'':<20}{problem}" for problem in problems]
-    section = next((s for s in ("sequence_packing", "dynamic_batching") if getattr(p, s).enabled), None)
+    section = plan.batching.section
     if section is not None:
         best = largest_fitting_tokens(cfg, lay, plan.parameters, trainable, "train")
         lines.append(
@@ -277,11 +288,11 @@ def format_plan(cfg: MasterConfig, plan: Plan, recipe: str) -> str:
     p = cfg.policy
     lines.append(f"  {'model':<20}{p.model_name}: {plan.parameters / 1e9:.2f}B parameters")
     if p.dtensor_cfg.lora_cfg.enabled and plan.trainable_parameters is not None:
-        lo, trained = p.dtensor_cfg.lora_cfg, plan.trainable_parameters
+        lo, trained, state = p.dtensor_cfg.lora_cfg, plan.trainable_parameters, plan.optimizer_state_bytes
         lines.append(
             f"  {'LoRA':<20}dim {lo.dim}, alpha {lo.alpha:g}: {trained:,} trainable parameters "
-            f"({100 * trained / plan.parameters:.2f}%); AdamW state {8 * trained / 2**20:,.1f} MiB "
-            f"vs {8 * plan.parameters / 2**20:,.1f} MiB for full fine-tuning"
+            f"({100 * trained / plan.parameters:.2f}%); AdamW state {state * trained / 2**20:,.1f} MiB "
+            f"vs {state * plan.parameters / 2**20:,.1f} MiB for full fine-tuning"
         )
     lines += _memory_lines(cfg, plan)
     return "\n".join(lines)

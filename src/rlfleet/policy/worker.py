@@ -17,13 +17,14 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlfleet.checkpoint import load_policy, save_policy
+from rlfleet.memory.probes import release_free_memory
 from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import LoraSettings, WithoutAdapters
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.build import PolicyModels, build_policy_models, compute_autocast, require_master_dtype
 from rlfleet.policy.interface import LossFn
 from rlfleet.policy.logprobs import batch_logprobs, forward_logprobs
-from rlfleet.policy.loss import Normalizer
+from rlfleet.policy.loss_math import Normalizer
 from rlfleet.policy.microbatch import (
     MicroBatching,
     as_micro_batching,
@@ -35,7 +36,6 @@ from rlfleet.policy.microbatch import (
     trained_rows,
 )
 from rlfleet.policy.schedule import LrSchedule, lr_factor
-from rlfleet.utils.memory import release_free_memory
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class TrainablePolicy(ABC):
         metrics = over_global_batches(
             batch, global_batch_size, lambda gb: self._optimizer_step(gb, loss_fn, batching, temperature)
         )
-        release_free_memory()  # the pass's activations, freed, back to the OS (rlfleet.utils.memory)
+        release_free_memory()  # the pass's activations, freed, back to the OS (rlfleet.memory.probes)
         return {**metrics, **padding_metrics(batch, global_batch_size, batching, self.dp_size)}
 
     @abstractmethod

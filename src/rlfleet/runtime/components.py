@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,11 +17,11 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from rlfleet.config import MasterConfig
-from rlfleet.config.batching import Pass, micro_batch_rows, micro_batch_tokens
+from rlfleet.config.backends import backend_of
+from rlfleet.config.batching import Pass, ResolvedBatching, budget_key, micro_batch_rows
 from rlfleet.config.capabilities import uses_ray
-from rlfleet.config.checks import Algorithm
 from rlfleet.config.layout import ResourceLayout, resource_layout
-from rlfleet.config.resolved import generation_backend, policy_precision
+from rlfleet.config.resolved import BackendName, generation_backend, policy_precision
 from rlfleet.data import (
     Example,
     Prompt,
@@ -36,7 +36,6 @@ from rlfleet.generation import (
     VLLMGenerationBackend,
     VLLMSettings,
 )
-from rlfleet.memory_plan import budget_basis, default_budget
 from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import lora_settings
 from rlfleet.policy.interface import Policy
@@ -58,10 +57,6 @@ def model_source(cfg: MasterConfig) -> ModelSource:
 
 def optimizer_settings(cfg: MasterConfig) -> OptimizerSettings:
     policy = cfg.policy
-    if policy.optimizer.name not in ("torch.optim.AdamW", "AdamW"):  # the schema admits AdamW only
-        raise ValueError(
-            f"policy.optimizer.name={policy.optimizer.name!r} is not supported; use torch.optim.AdamW"
-        )
     adamw, sched = policy.optimizer.kwargs, policy.scheduler
     return OptimizerSettings(
         lr=adamw.lr,
@@ -121,21 +116,32 @@ def ray_vllm_settings(cfg: MasterConfig, seed: int) -> VLLMSettings:
     return replace(settings, engine_kwargs=kwargs)
 
 
-def build_backend(cfg: MasterConfig, worker: PolicyWorker, *, seed: int) -> GenerationBackend:
-    """The configured generation backend, colocated with ``worker``.
-
-    A vLLM engine is closed with the worker (``worker.close()``), which the loops already call.
-    """
-    if generation_backend(cfg).name == "vllm":
-        engine = VLLMGenerationBackend(worker.model, worker.tokenizer, vllm_settings(cfg, seed))
-        worker.closers.append(engine.close)
-        return engine
+def _hf_backend(cfg: MasterConfig, worker: PolicyWorker, seed: int) -> GenerationBackend:
     return HFGenerationBackend(
         worker.model,
         worker.tokenizer,
         cfg.policy.generation.batch_size,
         compute_dtype=worker.autocast_dtype,
     )
+
+
+def _vllm_backend(cfg: MasterConfig, worker: PolicyWorker, seed: int) -> GenerationBackend:
+    engine = VLLMGenerationBackend(worker.model, worker.tokenizer, vllm_settings(cfg, seed))
+    worker.closers.append(engine.close)  # closed with the worker, which the loops already close
+    return engine
+
+
+# the class behind each backend name (what each can do: rlfleet.config.backends)
+IN_PROCESS_BACKENDS: dict[BackendName, Callable[[MasterConfig, PolicyWorker, int], GenerationBackend]] = {
+    "hf": _hf_backend,
+    "vllm": _vllm_backend,
+}
+
+
+def build_backend(cfg: MasterConfig, worker: PolicyWorker, *, seed: int) -> GenerationBackend:
+    """The configured generation backend, colocated with ``worker`` (an engine of its own is closed with the
+    worker: ``worker.close()``)."""
+    return IN_PROCESS_BACKENDS[generation_backend(cfg).name](cfg, worker, seed)
 
 
 def build_policy(
@@ -166,7 +172,7 @@ def build_policy(
             lora=lora_settings(cfg),
         ),
         generation_batch_size=policy_cfg.generation.batch_size,
-        vllm=ray_vllm_settings(cfg, seed) if layout.backend == "vllm" else None,
+        vllm=ray_vllm_settings(cfg, seed) if backend_of(layout).reads_vllm_cfg else None,
         keep_reference=keep_reference,
         seed=seed,
         call_timeout_s=cluster.call_timeout_s,
@@ -230,33 +236,29 @@ def load_prompts(
     return TaskData(train=train, val=val, dropped=dropped_train + dropped_val)
 
 
-def micro_batching(cfg: MasterConfig, pass_: Pass, algorithm: Algorithm = "grpo") -> MicroBatching:
-    """How ``pass_`` (training or logprobs) splits its rows: ``policy.sequence_packing``,
-    ``policy.dynamic_batching`` (token budgets; unset, the largest that fits this machine:
-    ``rlfleet.memory_plan.default_budget``) or fixed rows (``train_micro_batch_size`` /
-    ``logprob_batch_size``)."""
+def micro_batching(cfg: MasterConfig, pass_: Pass, batching: ResolvedBatching) -> MicroBatching:
+    """How ``pass_`` (training or logprobs) splits its rows: by the token budget ``batching`` resolved for it
+    (``rlfleet.memory.planner.resolve_batching``: packed sequences or dynamic batching), else fixed rows
+    (``train_micro_batch_size`` / ``logprob_batch_size``). A budget fitted to this machine is logged."""
     policy = cfg.policy
-    rows, tokens = micro_batch_rows(policy, pass_), micro_batch_tokens(policy, pass_)
-    chunk = policy.logprob_chunk_size
-    if tokens is None:
+    rows, chunk = micro_batch_rows(policy, pass_), policy.logprob_chunk_size
+    if batching.section is None:
         return MicroBatching(rows, logprob_chunk=chunk)
-    fitting = default_budget(cfg, pass_, algorithm)
-    if fitting is not None:
-        section = "sequence_packing" if policy.sequence_packing.enabled else "dynamic_batching"
+    budget = batching.budget(pass_)
+    if budget.fitted:
         log.info(
-            "policy.%s.%s_mb_tokens=%d: %s (rlfleet plan; set it to fix it)",
-            section,
-            pass_,
-            fitting,
-            budget_basis(cfg, pass_, fitting),
+            "policy.%s.%s=%d: %s (rlfleet plan; set it to fix it)",
+            batching.section,
+            budget_key(pass_),
+            budget.tokens,
+            budget.why,
         )
-        tokens = fitting
-    if policy.sequence_packing.enabled:
+    if batching.section == "sequence_packing":
         return MicroBatching(
-            rows, tokens, pack=True, algorithm=policy.sequence_packing.algorithm, logprob_chunk=chunk
+            rows, budget.tokens, pack=True, algorithm=policy.sequence_packing.algorithm, logprob_chunk=chunk
         )
     return MicroBatching(
-        rows, tokens, round_to=policy.dynamic_batching.sequence_length_round, logprob_chunk=chunk
+        rows, budget.tokens, round_to=policy.dynamic_batching.sequence_length_round, logprob_chunk=chunk
     )
 
 

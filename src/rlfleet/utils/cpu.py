@@ -1,10 +1,10 @@
 """Whether this CPU computes in 16-bit floats natively, so that ``policy.precision`` is a choice, not a guess.
 
 On an x86 CPU with AVX-512-BF16 or AMX-BF16 (Cooper Lake, Sapphire Rapids and later; Zen 4 and later),
-torch's bfloat16 matmuls run about twice as fast as float32 ones (421 against 178 GFLOP/s measured on 2
-threads of such a machine); without them bfloat16 is emulated and runs far slower than float32 (0.3 GFLOP/s
-measured on one). float16 is native only with AMX-FP16 (x86) or the ``fphp``/``asimdhp`` features (Arm).
-The flags come from ``/proc/cpuinfo`` (Linux); elsewhere nothing is known and nothing is claimed.
+torch's bfloat16 matmuls run markedly faster than float32 ones; without them bfloat16 is emulated and
+runs far slower than float32. float16 is native only with AMX-FP16 (x86) or the ``fphp``/``asimdhp``
+features (Arm). The flags come from ``/proc/cpuinfo`` (Linux); elsewhere nothing is known and nothing is
+claimed.
 """
 
 from __future__ import annotations

@@ -136,7 +136,6 @@ def preloaded_modules(fn: RewardFn | str) -> list[str]:
     return [*_PRELOAD, module] if module and module not in _PRELOAD else list(_PRELOAD)
 
 
-
 @dataclass
 class _Worker:
     process: BaseProcess
