@@ -8,13 +8,17 @@ builders read the capability they branch on from :func:`backend_of`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from rlfleet.config.resolved import VLLM_INSTALL_HINT, BackendName, generation_backend
 from rlfleet.config.schema import MasterConfig
 
-if TYPE_CHECKING:
-    from rlfleet.config.layout import ResourceLayout
+
+class HasBackend(Protocol):
+    """Anything that names its resolved backend: a :class:`~rlfleet.config.layout.ResourceLayout`."""
+
+    @property
+    def backend(self) -> BackendName: ...
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ BACKENDS: dict[BackendName, GenerationBackendInfo] = {
 }
 
 
-def backend_of(source: MasterConfig | ResourceLayout) -> GenerationBackendInfo:
+def backend_of(source: MasterConfig | HasBackend) -> GenerationBackendInfo:
     """The generation backend of a config (``auto`` resolved) or of its resource layout."""
     name = generation_backend(source).name if isinstance(source, MasterConfig) else source.backend
     return BACKENDS[name]
