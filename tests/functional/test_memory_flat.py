@@ -19,6 +19,7 @@ import pytest
 
 from rlfleet.logging import read_metrics
 from rlfleet.memory.allocator import ENV, find_jemalloc
+from rlfleet.memory.probes import HEAP_SLACK_ENV
 from tests.conftest import small_grpo_overrides
 
 pytestmark = pytest.mark.slow
@@ -45,7 +46,7 @@ def test_resident_memory_is_flat_after_warm_up(tiny_model_dir: Path, tmp_path: P
         "policy.sequence_packing.enabled=true",  # a packed micro-batch of a new size every step
     ]
     cmd = [sys.executable, "-m", "rlfleet.cli", "grpo", "grpo-tiny-arithmetic-cpu", *overrides]
-    env = {**os.environ, ENV: allocator}
+    env = {**os.environ, ENV: allocator, HEAP_SLACK_ENV: "0"}  # trim after every pass: growth shows at once
     subprocess.run(cmd, check=True, capture_output=True, timeout=900, env=env)
     rss = [
         r["memory/trainer_rss_gib"] * 1024

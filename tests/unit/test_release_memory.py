@@ -51,3 +51,29 @@ def test_freed_heap_blocks_go_back_to_the_os() -> None:
     assert given["ok"] is True and given["pins"] == 128
     assert given["freed"] > given["held"] - 64
     assert given["released"] < given["freed"] - 192  # and gave them back when asked
+
+
+def test_the_heap_is_released_only_past_the_slack(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlfleet.memory import probes
+
+    resident = iter([500, 480, 560, 700, 600, 650, 900, 610])  # MiB as read: before / after each release
+    released: list[int] = []
+    monkeypatch.setattr(probes, "resident_bytes", lambda: next(resident) * 2**20)
+    monkeypatch.setattr(probes, "release_free_memory", lambda: released.append(1) or True)
+    heap = probes.HeapReleaser(slack_bytes=128 * 2**20)
+    outcomes = [heap.after_pass() for _ in range(5)]
+    # first pass: releases (no floor yet; 480 after); 560 and 600 stay within 128 of it; 700 and 900 do not
+    assert outcomes == [True, False, True, False, True]
+    assert heap.releases == len(released) == 3 and heap.floor == 610 * 2**20
+
+
+def test_the_slack_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlfleet.memory import probes
+
+    monkeypatch.setenv(probes.HEAP_SLACK_ENV, "0")
+    assert probes.HeapReleaser().slack == 0
+    monkeypatch.delenv(probes.HEAP_SLACK_ENV)
+    assert probes.heap_slack_bytes() == probes.DEFAULT_HEAP_SLACK_MIB * 2**20
+    monkeypatch.setenv(probes.HEAP_SLACK_ENV, "lots")
+    with pytest.raises(ValueError, match="whole number of MiB"):
+        probes.heap_slack_bytes()

@@ -4,8 +4,12 @@ On Linux, PyTorch's CPU tensors come from glibc's ``malloc``. Blocks under glibc
 which is every activation of a micro-batch of a small model, live in its heap, and glibc keeps what they
 free for later allocations. With packed micro-batches of a different size every step, the freed space
 fragments and the process's resident memory climbs step after step although its live tensors do not
-(issue 20; ``benchmarks/memory.py --steps`` measures it). Trimming after each training pass
-(``malloc_trim(0)``) keeps the process at its live memory between steps, while the generation engine runs.
+(``benchmarks/memory.py --steps`` measures it). Trimming after a training pass (``malloc_trim(0)``) brings the
+process back to its live memory between steps, while the generation engine runs. Trimming costs: a full
+garbage collection, and the next pass faults the returned pages in again, which on a small model is more
+than the pass itself; so :class:`HeapReleaser` trims only once the process has grown by more than a slack
+(``RLFLEET_HEAP_SLACK_MIB``, default 128) since its last trim: resident memory stays within that slack of
+the live memory, and a small model's passes never pay for it.
 Forcing large blocks to mmap instead (``M_MMAP_THRESHOLD``) trains slower: each block is faulted in afresh.
 The ``rlfleet`` commands that train run on jemalloc where one is installed (``rlfleet.memory.allocator``):
 less fragmentation within a pass, and a purge at its end instead of the trim.
@@ -17,6 +21,7 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import os
 
 from rlfleet.memory.allocator import jemalloc_purge
 
@@ -75,3 +80,44 @@ def take_peak_resident_bytes() -> int | None:
     except OSError:
         pass
     return None if kib is None else kib * 1024
+
+
+HEAP_SLACK_ENV = "RLFLEET_HEAP_SLACK_MIB"
+DEFAULT_HEAP_SLACK_MIB = 128
+
+
+def heap_slack_bytes() -> int:
+    """``RLFLEET_HEAP_SLACK_MIB`` (default 128) in bytes; 0 trims after every pass.
+
+    Raises:
+        ValueError: The variable is not a non-negative integer.
+    """
+    text = os.environ.get(HEAP_SLACK_ENV, str(DEFAULT_HEAP_SLACK_MIB))
+    if not text.strip().isdigit():
+        raise ValueError(f"{HEAP_SLACK_ENV}={text!r}: give a whole number of MiB (0 trims after every pass)")
+    return int(text) * 2**20
+
+
+class HeapReleaser:
+    """Returns the heap freed by training passes to the OS, once the process has grown past a slack.
+
+    Args:
+        slack_bytes: Growth of resident memory since the last release that triggers the next one (None:
+            :func:`heap_slack_bytes`).
+    """
+
+    def __init__(self, slack_bytes: int | None = None) -> None:
+        self.slack = heap_slack_bytes() if slack_bytes is None else slack_bytes
+        self.floor: int | None = None  # resident memory right after the last release
+        self.releases = 0
+
+    def after_pass(self) -> bool:
+        """Releases when resident memory is more than the slack above the last release's (always the first
+        time, and wherever resident memory cannot be read); returns whether it released."""
+        now = resident_bytes()
+        if now is not None and self.floor is not None and now - self.floor <= self.slack:
+            return False
+        release_free_memory()
+        self.floor = resident_bytes()
+        self.releases += 1
+        return True

@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlfleet.checkpoint import load_policy, save_policy
-from rlfleet.memory.probes import release_free_memory
+from rlfleet.memory.probes import HeapReleaser
 from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import LoraSettings, WithoutAdapters
 from rlfleet.policy.batch import TrainBatch
@@ -87,6 +87,7 @@ class TrainablePolicy(ABC):
         """Takes the built models, then creates AdamW (float32 state) with the lr schedule over the
         trainable parameters (all of them, or only the LoRA adapters)."""
         require_master_dtype(models.model)
+        self.heap = HeapReleaser()
         self.model = models.model
         self.reference = models.reference
         self.autocast_dtype = models.autocast_dtype
@@ -153,7 +154,7 @@ class TrainablePolicy(ABC):
         metrics = over_global_batches(
             batch, global_batch_size, lambda gb: self._optimizer_step(gb, loss_fn, batching, temperature)
         )
-        release_free_memory()  # the pass's activations, freed, back to the OS (rlfleet.memory.probes)
+        self.heap.after_pass()  # the freed activations back to the OS once they add up (memory.probes)
         return {**metrics, **padding_metrics(batch, global_batch_size, batching, self.dp_size)}
 
     @abstractmethod
