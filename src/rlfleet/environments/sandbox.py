@@ -1,34 +1,44 @@
 """Runs untrusted Python in a separate, limited, isolated process: :func:`run_python`.
 
-Not ``exec`` with trimmed builtins. Each call gets:
+Not ``exec`` with trimmed builtins. Each call gets a new process (``python -I -S -u``: the stdlib only)
+started through :mod:`rlfleet.environments._bootstrap` in a new session, with an environment of ``PATH``,
+``LANG``/``LC_ALL``, ``HOME`` and ``TMPDIR`` only (nothing of the caller's: ``HF_TOKEN``, ...); a wall-clock
+limit (the whole PID namespace, or process group, is killed); an output cap (the code is killed once stdout
+and stderr together pass ``max_output_bytes``, read as they come); resource limits (``setrlimit``, soft =
+hard: CPU seconds, address space, file size, open files, no core files); and a fresh working directory
+(``HOME`` and ``TMPDIR`` too). The rest depends on what the OS lets the caller do, and
+:attr:`SandboxResult.isolation` records what was enforced, never what was only tried:
 
-* a new process (``python -I -S -u``: no environment variables, no user site, no site-packages; the stdlib
-  only), started through :mod:`rlfleet.environments._bootstrap` in a new session;
-* resource limits (``setrlimit``, soft = hard): CPU seconds, address space, file size, number of processes,
-  open files, no core files;
-* as root, the unprivileged uid/gid ``SandboxLimits.uid``/``gid`` (65534, *nobody*, by default): root
-  would ignore the process limit, write anywhere and signal anything; the sandbox user cannot signal the
-  caller's processes nor read their ``/proc/PID/environ``;
-* where the OS allows it (root, or unprivileged user namespaces): new network, IPC, PID and mount namespaces:
-  no network at all, no process outside visible, every process the code started killed with it, and only
-  the working directory writable (``/tmp``, ``/var/tmp``, ``/run/lock`` covered, ``/dev/shm`` private). What
-  was enforced is recorded in :attr:`SandboxResult.isolation`; ``SandboxLimits.require_isolation`` refuses
-  to run without it;
-* a wall-clock limit (the whole PID namespace, or process group, is killed);
-* a fresh temporary working directory (``HOME`` and ``TMPDIR`` too), owned by the sandbox user and removed
-  afterwards, whatever happened;
-* an output cap: stdout and stderr are read as they come and the process is killed once together they pass
-  ``max_output_bytes``, so a flood is never buffered;
-* an environment of ``PATH``, ``LANG``/``LC_ALL``, ``HOME`` and ``TMPDIR`` only: nothing of the caller's
-  (``HF_TOKEN``, ``WANDB_API_KEY``, ...) reaches the code.
+* **Namespaces** (``network``, ``pid_namespace``): as root, or in an unprivileged user namespace of its own
+  (a laptop, most clusters), new network, IPC, PID and mount namespaces: no network at all, no process
+  outside visible, every process the code started killed with it. As root the code also runs as
+  ``SandboxLimits.uid`` (*nobody*): it cannot signal the caller's processes nor read their environment.
+* **File system** (``filesystem``): in the mount namespace every mount is read-only (recursively) and a tmpfs
+  is the one writable place: the working directory, ``/tmp``, ``/var/tmp`` and ``/dev/shm`` live in it. A
+  write anywhere else fails (``EROFS``) whoever the caller is; the tmpfs vanishes with the namespace.
+* **Disk** (``disk``): ``"tmpfs"``, the code may write ``disk_bytes`` in all; ``"per-file"`` (no mount
+  namespace), only each file's size is bounded (``file_size_bytes``).
+* **Memory and processes** (``memory``): ``"cgroup"``, a cgroup of the sandbox's own bounds the memory of all
+  its processes together (``memory_bytes``, no swap) and their number (``max_processes``), where the caller
+  may make one (:mod:`~rlfleet.environments.cgroups`: root, or a delegated cgroup); else ``"per-process"``:
+  ``RLIMIT_NPROC`` and ``RLIMIT_AS`` chosen so that processes x address space <= ``memory_bytes``, each
+  with at least ``MIN_PROCESS_ADDRESS_SPACE`` (fewer processes than ``max_processes`` when the budget is
+  small). ``address_space_bytes`` and ``max_processes`` say what was set. ``RLIMIT_NPROC`` counts the
+  processes of a uid: as root the sandbox uid's, in a user namespace the sandbox's own, else the caller's too.
+* **User namespaces** (``user_namespaces_blocked``): a seccomp filter refuses new ones to the code
+  (:mod:`~rlfleet.environments.seccomp`), in every mode.
+* **Left behind**: nothing (the working directory and the cgroup are removed whatever the code did); when the
+  caller itself is killed, the next :func:`run_python` of the same user removes them
+  (:mod:`~rlfleet.environments.sandbox_dirs`).
 
-The code is the file ``main.py`` in the working directory, run as ``__main__``; a traceback shows its
-lines. :attr:`SandboxResult.summary` is a one-line verdict (``exit code 0``, ``killed: CPU time limit of 2 s
+``SandboxLimits.require_isolation`` refuses to run without the network (when isolated), PID and file-system
+isolation; ``SandboxLimits.namespaces=False`` turns the namespaces off. On macOS (no namespaces, cgroups nor
+seccomp) the resource limits, wall clock, output cap, environment and working directory apply, no more.
+
+The code is the file ``main.py`` in the working directory, run as ``__main__``; a traceback shows its lines.
+:attr:`SandboxResult.summary` is a one-line verdict (``exit code 0``, ``killed: CPU time limit of 2 s
 exceeded``, ...) and :attr:`SandboxResult.observation` that line followed by the (clipped) output: the text a
 tool returns to the model.
-
-Linux only for the namespaces and the uid drop; on macOS the resource limits, wall clock, output cap,
-environment and working directory apply, and nothing else.
 """
 
 from __future__ import annotations
@@ -37,32 +47,59 @@ import contextlib
 import json
 import os
 import selectors
-import shutil
 import signal
-import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
+from rlfleet.environments import cgroups, sandbox_dirs
+from rlfleet.environments.seccomp import user_namespace_filter
 from rlfleet.errors import UserError
 
 __all__ = ["Isolation", "SandboxError", "SandboxLimits", "SandboxResult", "run_python"]
 
 BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
-MAIN_FILE = "main.py"
+# Loads the bootstrap as a module, whose bytecode is cached (a script is compiled at every start: ~5 ms).
+BOOTSTRAP_LOADER = (
+    "import importlib.util, sys; "
+    "spec = importlib.util.spec_from_file_location('rlfleet_sandbox_bootstrap', sys.argv[1]); "
+    "bootstrap = importlib.util.module_from_spec(spec); spec.loader.exec_module(bootstrap); "
+    "bootstrap.main(sys.argv[2])"
+)
+# Without a cgroup, each process gets at least this much address space (Python itself needs ~25 MiB): a
+# small memory budget then buys fewer processes rather than processes too small to run.
+MIN_PROCESS_ADDRESS_SPACE = 128 * 2**20
+BYTES_PER_INODE, MIN_INODES = 4096, 1024  # the tmpfs's files: one per 4 KiB of disk_bytes, at least 1024
 # After the wall clock the bootstrap kills the code; this much later the caller kills the bootstrap too.
 BACKSTOP_SECONDS = 5.0
 # Once the code has exited, how long to wait for the pipes to close (a straggler without a PID namespace).
 DRAIN_SECONDS = 0.5
+CPU_EVIDENCE_FRACTION = 0.5  # see _cpu_limit_hit
 
 # Runs the user's main.py as __main__ and prints its traceback without this runner's frames. ``-S`` skips
-# the site module, which is what defines exit() and quit(): they are provided.
+# the site module, which is what defines exit() and quit(): they are provided. With a cgroup, it first waits
+# on the descriptor in argv[1] until the bootstrap has moved it in ("cgroup"), or told it the per-process
+# limits to take instead ("<address space> <processes>"; an empty read: the bootstrap is gone).
 RUNNER = r"""
 import builtins, sys
+def _await_the_cgroup():
+    import os
+    fd = int(sys.argv[1])
+    verdict = os.read(fd, 64).split()
+    os.close(fd)
+    if verdict == [b"cgroup"]:
+        return
+    if len(verdict) != 2:
+        os._exit(125)
+    import resource
+    for limit, value in zip((resource.RLIMIT_AS, resource.RLIMIT_NPROC), map(int, verdict)):
+        resource.setrlimit(limit, (value, value))
+if len(sys.argv) > 1:
+    _await_the_cgroup()
 builtins.exit = builtins.quit = sys.exit
 sys.argv = ["main.py"]
 def _run():
@@ -97,9 +134,14 @@ class SandboxLimits:
 
     cpu_seconds: int = 5
     wall_seconds: float = 10.0
-    memory_bytes: int = 512 * 2**20  # address space (RLIMIT_AS)
-    file_size_bytes: int = 16 * 2**20  # largest file the code may write (RLIMIT_FSIZE); also /dev/shm's size
-    max_processes: int = 32  # processes and threads of the sandbox uid (RLIMIT_NPROC)
+    # all the sandbox's processes together (cgroup memory.max, no swap) and each one's address space
+    # (RLIMIT_AS); without a cgroup, split between at most memory_bytes // MIN_PROCESS_ADDRESS_SPACE processes
+    memory_bytes: int = 512 * 2**20
+    file_size_bytes: int = 16 * 2**20  # largest file the code may write (RLIMIT_FSIZE)
+    # all the code may write: the tmpfs holding the working directory, /tmp and /dev/shm (its pages count as
+    # memory too, in the cgroup)
+    disk_bytes: int = 64 * 2**20
+    max_processes: int = 32  # processes and threads together (cgroup pids.max, else RLIMIT_NPROC)
     max_open_files: int = 64
     max_output_bytes: int = 64 * 2**10  # stdout + stderr; the code is killed beyond
     isolate_network: bool = True
@@ -108,8 +150,8 @@ class SandboxLimits:
     namespaces: bool = True
     # refuse to run (SandboxError) unless the network (when isolated), PID and mount namespaces were created
     require_isolation: bool = False
-    # the uid/gid the code runs as when the caller is root. RLIMIT_NPROC counts every process of that uid, so
-    # concurrent sandboxes sharing it share the process budget: give parallel workers distinct uids.
+    # the uid/gid the code runs as when the caller is root. Without a cgroup, RLIMIT_NPROC counts every
+    # process of that uid, so concurrent sandboxes sharing it share the process budget.
     uid: int = 65534
     gid: int = 65534
     # the untrusted interpreter; default: this one if the sandbox uid can run it, else a system python3
@@ -117,7 +159,14 @@ class SandboxLimits:
     max_observation_chars: int = 2000  # per stream in `observation` (head and tail kept)
 
     def __post_init__(self) -> None:
-        for name in ("cpu_seconds", "memory_bytes", "file_size_bytes", "max_processes", "max_open_files"):
+        for name in (
+            "cpu_seconds",
+            "memory_bytes",
+            "file_size_bytes",
+            "disk_bytes",
+            "max_processes",
+            "max_open_files",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"SandboxLimits.{name} must be positive, got {getattr(self, name)}")
         if self.wall_seconds <= 0 or self.max_output_bytes < 1 or self.max_observation_chars < 1:
@@ -126,14 +175,25 @@ class SandboxLimits:
             )
 
 
+MemoryBound = Literal["cgroup", "per-process", "none"]
+DiskBound = Literal["tmpfs", "per-file"]
+
+
 @dataclass(frozen=True)
 class Isolation:
-    """What was enforced beyond the resource limits, wall clock, output cap, environment and working dir."""
+    """What was enforced (the module docstring says what each means); never what was only tried."""
 
     uid: int | None  # the uid the code ran as; None: the caller's own (not root)
     network: bool  # new network namespace: no network
     pid_namespace: bool  # the code is PID 1 of its own PID namespace
-    filesystem: bool  # private mount namespace: only the working directory (and a private /dev/shm) writable
+    filesystem: bool  # every mount read-only but the sandbox's tmpfs (working dir, /tmp, /var/tmp, /dev/shm)
+    disk: DiskBound  # "tmpfs": disk_bytes in all; "per-file": file_size_bytes per file only
+    # "cgroup": memory_bytes and max_processes over all the sandbox's processes; "per-process": RLIMIT_AS and
+    # RLIMIT_NPROC below; "none": the code never started
+    memory: MemoryBound
+    address_space_bytes: int | None  # RLIMIT_AS of each process (None: not set)
+    max_processes: int | None  # pids.max of the cgroup, else RLIMIT_NPROC (None: not set)
+    user_namespaces_blocked: bool  # seccomp: no new user namespace
     notes: tuple[str, ...] = ()  # why something was not enforced
 
 
@@ -147,7 +207,9 @@ class SandboxResult:
     signal_number: int | None
     timed_out: bool  # the wall-clock limit
     cpu_limit_exceeded: bool
-    memory_limit_exceeded: bool  # a MemoryError ended the program (the address-space limit)
+    # a MemoryError ended the program (the address-space limit), or the kernel killed a process of the
+    # sandbox for want of memory (its cgroup)
+    memory_limit_exceeded: bool
     truncated: bool  # the output cap: the code was killed and the output cut
     duration_seconds: float
     cpu_seconds: float
@@ -172,10 +234,18 @@ class SandboxResult:
         if self.cpu_limit_exceeded:
             return f"killed: CPU time limit of {limits.cpu_seconds} s exceeded"
         if self.memory_limit_exceeded:
-            return f"exit code {self.exit_code}: memory limit of {limits.memory_bytes // 2**20} MiB exceeded"
+            ended = "killed" if self.exit_code is None else f"exit code {self.exit_code}"
+            return f"{ended}: {self._memory_limit()} exceeded"
         if self.signal_number is not None:
             return f"killed by signal {_signal_name(self.signal_number)}"
         return f"exit code {self.exit_code}"
+
+    def _memory_limit(self) -> str:
+        total = f"memory limit of {self.limits.memory_bytes // 2**20} MiB"
+        per_process = self.isolation.address_space_bytes
+        if self.isolation.memory == "cgroup" or per_process is None:
+            return total
+        return f"{total} ({per_process // 2**20} MiB per process)"
 
     @property
     def observation(self) -> str:
@@ -207,9 +277,16 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
     limits = limits or SandboxLimits()
     if os.name != "posix":
         raise SandboxError("the Python sandbox needs a POSIX system (resource limits, sessions)")
+    _sweep()
     drop = os.geteuid() == 0
     python = _interpreter(limits, drop)
     return _run(code, limits, drop, python)
+
+
+def _sweep() -> None:
+    """Removes what callers that were killed (SIGKILL, the OOM killer) left: working directories, cgroups."""
+    sandbox_dirs.sweep_workdirs()
+    cgroups.sweep(sandbox_dirs.owner_alive)
 
 
 _INTERPRETERS: dict[tuple[int, int], str] = {}
@@ -251,49 +328,36 @@ def _interpreter(limits: SandboxLimits, drop: bool) -> str:
         )
 
 
-def _make_workdir(code: str, limits: SandboxLimits, drop: bool) -> str:
-    workdir = tempfile.mkdtemp(prefix="rlfleet-sandbox-")
-    main = os.path.join(workdir, MAIN_FILE)
-    with open(main, "w", encoding="utf-8") as f:
-        f.write(code)
-    os.chmod(main, 0o644)
-    if drop:
-        os.chown(workdir, limits.uid, limits.gid)
-    return workdir
-
-
-def _remove(workdir: str) -> None:
-    """Removes the working directory; never raises (a directory left behind is not worth a crashed run)."""
-
-    def make_writable(_function: object, path: str, _exc: object) -> None:
-        # the code may have taken away its own permissions (only matters when not root)
-        with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(path), stat.S_IRWXU)
-            if os.path.isdir(path) and not os.path.islink(path):
-                os.chmod(path, stat.S_IRWXU)
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.unlink(path)
-
-    with contextlib.suppress(OSError):
-        if sys.version_info >= (3, 12):
-            shutil.rmtree(workdir, onexc=make_writable)
-        else:
-            shutil.rmtree(workdir, onerror=make_writable)
-    shutil.rmtree(workdir, ignore_errors=True)
-
-
 def _run(code: str, limits: SandboxLimits, drop: bool, python: str) -> SandboxResult:
-    workdir = _make_workdir(code, limits, drop)
     try:
-        return _execute(workdir, limits, drop, python)
+        workdir = sandbox_dirs.make_workdir(code, (limits.uid, limits.gid) if drop else None)
+    except sandbox_dirs.WorkdirError as exc:
+        raise SandboxError(str(exc)) from exc
+    cgroup = cgroups.create(os.path.basename(workdir), limits.memory_bytes, limits.max_processes)
+    try:
+        return _execute(workdir, limits, drop, python, cgroup)
     finally:
-        _remove(workdir)
+        if isinstance(cgroup, cgroups.SandboxCgroup):
+            cgroup.remove()
+        sandbox_dirs.remove_tree(workdir)
 
 
-def _execute(workdir: str, limits: SandboxLimits, drop: bool, python: str) -> SandboxResult:
+def per_process_limits(limits: SandboxLimits) -> tuple[int, int]:
+    """(RLIMIT_AS, RLIMIT_NPROC) where no cgroup bounds the total: processes x address space <= the memory
+    budget, each process with at least ``MIN_PROCESS_ADDRESS_SPACE`` (or the whole budget, if smaller)."""
+    processes = max(1, min(limits.max_processes, limits.memory_bytes // MIN_PROCESS_ADDRESS_SPACE))
+    return limits.memory_bytes // processes, processes
+
+
+_SECCOMP_FILTER = user_namespace_filter()
+
+
+def _execute(
+    workdir: str, limits: SandboxLimits, drop: bool, python: str, cgroup: cgroups.SandboxCgroup | str
+) -> SandboxResult:
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
     status_read, status_write = os.pipe()
+    address_space, processes = per_process_limits(limits)
     config = {
         "status_fd": status_write,
         "parent_pid": os.getpid(),
@@ -306,9 +370,15 @@ def _execute(workdir: str, limits: SandboxLimits, drop: bool, python: str) -> Sa
         "cpu_seconds": int(limits.cpu_seconds),
         "wall_seconds": float(limits.wall_seconds),
         "memory_bytes": int(limits.memory_bytes),
-        "file_size_bytes": int(limits.file_size_bytes),
         "max_processes": int(limits.max_processes),
+        "fallback_address_space": address_space,
+        "fallback_processes": processes,
+        "cgroup_procs": cgroup.procs_files if isinstance(cgroup, cgroups.SandboxCgroup) else [],
+        "file_size_bytes": int(limits.file_size_bytes),
+        "disk_bytes": int(limits.disk_bytes),
+        "disk_inodes": max(MIN_INODES, limits.disk_bytes // BYTES_PER_INODE),
         "max_open_files": int(limits.max_open_files),
+        "seccomp": None if _SECCOMP_FILTER is None else _SECCOMP_FILTER.hex(),
         "isolate_network": limits.isolate_network,
         "namespaces": limits.namespaces,
         "require_isolation": limits.require_isolation,
@@ -316,7 +386,7 @@ def _execute(workdir: str, limits: SandboxLimits, drop: bool, python: str) -> Sa
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(BOOTSTRAP), json.dumps(config)],
+            [sys.executable, "-I", "-S", "-c", BOOTSTRAP_LOADER, str(BOOTSTRAP), json.dumps(config)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -338,7 +408,10 @@ def _execute(workdir: str, limits: SandboxLimits, drop: bool, python: str) -> Sa
         assert proc.stdout is not None and proc.stderr is not None
         proc.stdout.close()
         proc.stderr.close()
-    return _result(collected, limits, drop, time.monotonic() - start)
+    duration = time.monotonic() - start
+    if isinstance(cgroup, cgroups.SandboxCgroup):
+        return _result(collected, limits, drop, duration, cgroup.oom_killed(), None)
+    return _result(collected, limits, drop, duration, False, cgroup)
 
 
 @dataclass
@@ -426,19 +499,68 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=10)
 
 
-def _result(collected: _Collected, limits: SandboxLimits, drop: bool, duration: float) -> SandboxResult:
+def _isolation(
+    by_kind: dict[object, dict[str, object]], limits: SandboxLimits, drop: bool, cgroup_note: str | None
+) -> Isolation:
+    """What the bootstrap and its child reported enforcing."""
+    isolation_event = by_kind.get("isolation", {})
+    child = by_kind.get("child")
+    notes = [*_strings(isolation_event.get("notes")), *_strings((child or {}).get("unenforced"))]
+    moved = by_kind.get("cgroup")  # the parent's report of moving the child into the cgroup, if it tried
+    notes += _strings((moved or {}).get("notes"))
+    memory: MemoryBound = "none"
+    if child is not None:
+        memory = "cgroup" if moved is not None and moved.get("joined") is True else "per-process"
+    if memory != "cgroup" and cgroup_note is not None:
+        notes.append(cgroup_note)
+    limits_set = moved or child or {}  # a failed move lowered the child's limits to the fallback's
+    address_space, processes = limits_set.get("address_space"), limits_set.get("max_processes")
+    child = child or {}
+    return Isolation(
+        uid=limits.uid if drop else None,
+        network=isolation_event.get("network") is True,
+        pid_namespace=isolation_event.get("pid_namespace") is True,
+        filesystem=isolation_event.get("filesystem") is True,
+        disk="tmpfs" if isolation_event.get("disk") == "tmpfs" else "per-file",
+        memory=memory,
+        address_space_bytes=address_space if isinstance(address_space, int) else None,
+        max_processes=processes if isinstance(processes, int) else None,
+        user_namespaces_blocked=child.get("user_namespaces_blocked") is True,
+        notes=tuple(notes),
+    )
+
+
+def _cpu_limit_hit(
+    limits: SandboxLimits,
+    isolation: Isolation,
+    killed: object,
+    signal_number: int | None,
+    cpu_seconds: float,
+    oom_killed: bool,
+) -> bool:
+    """Whether RLIMIT_CPU killed the code. The kernel enforces it on tick-sampled CPU time, which on a busy
+    virtual machine runs ahead of the precise time that ``wait4`` reports (0.8 s reported for a 1 s limit):
+    where the code was PID 1 of its own PID namespace, nothing inside could send it SIGKILL, so a SIGKILL
+    that neither the bootstrap (``killed``) nor the OOM killer sent needs only half the limit as evidence."""
+    if killed is not None or oom_killed or signal_number not in (signal.SIGKILL, signal.SIGXCPU):
+        return False
+    if isolation.pid_namespace:
+        return cpu_seconds >= CPU_EVIDENCE_FRACTION * limits.cpu_seconds
+    return cpu_seconds >= limits.cpu_seconds - 0.05
+
+
+def _result(
+    collected: _Collected,
+    limits: SandboxLimits,
+    drop: bool,
+    duration: float,
+    oom_killed: bool,
+    cgroup_note: str | None,
+) -> SandboxResult:
     by_kind: dict[object, dict[str, object]] = {}
     for event in collected.events:
         by_kind.setdefault(event.get("event"), event)
-    isolation_event = by_kind.get("isolation", {})
-    notes = [*_strings(isolation_event.get("notes")), *_strings(by_kind.get("child", {}).get("unenforced"))]
-    isolation = Isolation(
-        uid=limits.uid if drop else None,
-        network=bool(isolation_event.get("network")),
-        pid_namespace=bool(isolation_event.get("pid_namespace")),
-        filesystem=bool(isolation_event.get("filesystem")),
-        notes=tuple(notes),
-    )
+    isolation = _isolation(by_kind, limits, drop, cgroup_note)
     error_event = by_kind.get("error")
     if error_event is not None and str(error_event.get("message", "")).startswith("isolation required"):
         raise SandboxError(str(error_event["message"]))
@@ -459,16 +581,15 @@ def _result(collected: _Collected, limits: SandboxLimits, drop: bool, duration: 
     exit_code = returncode if isinstance(returncode, int) else None
     signal_value = signal_number if isinstance(signal_number, int) else None
     last_line = stderr.rstrip().rsplit("\n", 1)[-1]
+    memory_error = exit_code not in (0, None) and last_line.startswith("MemoryError")
     return SandboxResult(
         stdout=collected.stdout.decode(errors="replace"),
         stderr=stderr,
         exit_code=exit_code,
         signal_number=signal_value,
         timed_out=killed == "wall" or (collected.backstop and not collected.truncated),
-        cpu_limit_exceeded=killed is None
-        and signal_value in (signal.SIGKILL, signal.SIGXCPU)
-        and cpu_seconds >= limits.cpu_seconds - 0.05,
-        memory_limit_exceeded=exit_code not in (None, 0) and last_line.startswith("MemoryError"),
+        cpu_limit_exceeded=_cpu_limit_hit(limits, isolation, killed, signal_value, cpu_seconds, oom_killed),
+        memory_limit_exceeded=oom_killed or memory_error,
         truncated=collected.truncated,
         duration_seconds=duration,
         cpu_seconds=cpu_seconds,
