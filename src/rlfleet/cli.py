@@ -79,6 +79,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_inputs(cfg: MasterConfig) -> list[str]:
+    """What the run would refuse in its inputs, found without loading a model: every row of the local data
+    files (file:line, reason, fix) and every environment class the rows use, imported and built. Returns the
+    hub datasets it could not read offline.
+
+    Raises:
+        DataError: A missing file or a bad row (with ``data.on_bad_row=error``).
+        UserError: An environment that is not configured, does not import or cannot be built.
+    """
+    from rlfleet.data import hub_sources, load_task
+    from rlfleet.rollouts.environments import load_environments
+
+    hub = hub_sources(cfg.data)
+    rows = [] if hub else [row for split in load_task(cfg.data) for row in split]
+    load_environments(cfg, rows, also=cfg.env.custom())  # configured ones no row names are checked too
+    return hub
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     cfg = _load(args.recipe, args.overrides)
     layout = resource_layout(cfg)
@@ -87,7 +105,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     batching = resolve_batching(cfg, layout, args.algorithm)
     ensure_fits(cfg, layout, batching, args.algorithm)
+    unread = check_inputs(cfg)
     print(config_to_yaml(cfg), end="")
+    if unread:
+        print(f"# not read by validate (the run downloads them): hub datasets {', '.join(unread)}")
     if args.algorithm == "grpo":
         described = describe_algorithm(cfg, batching)
         print("# GRPO as configured:", *[f"#   {k}: {v}" for k, v in described], sep="\n")

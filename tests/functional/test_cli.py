@@ -243,3 +243,61 @@ def test_help_reads_as_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "``" not in out and ":class:" not in out and "exits with code 2" in out
+
+
+# ------------------------------------------- validate finds what the run would refuse, before any model
+
+
+def _local_data(tmp_path: Path, train_text: str) -> list[str]:
+    val = tmp_path / "val.jsonl"
+    val.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "#### 5"}) + "\n")
+    train = tmp_path / "train.jsonl"
+    train.write_text(train_text)
+    return [
+        "data.dataset_name=ResponseDataset",
+        f"+data.train_data_path={train}",
+        f"+data.val_data_path={val}",
+        "policy.model_name=no-such-model-is-loaded",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("train_text", "expected"),
+    [
+        ('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"question": "broken\n', "train.jsonl:2"),
+        ('{"question": "What is 1 + 1?"}\n', "train.jsonl:1"),
+    ],
+    ids=["broken-json-line", "row-missing-its-answer"],
+)
+def test_validate_reads_local_data_as_the_run_would(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, train_text: str, expected: str
+) -> None:
+    code, _, err = run_cli(capsys, "validate", "grpo-tiny-arithmetic-cpu", *_local_data(tmp_path, train_text))
+    assert code == 2 and expected in err
+
+
+def test_validate_refuses_a_data_file_that_does_not_exist(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    overrides = _local_data(tmp_path, "")
+    overrides[1] = f"+data.train_data_path={tmp_path / 'missing.jsonl'}"
+    code, _, err = run_cli(capsys, "validate", "grpo-tiny-arithmetic-cpu", *overrides)
+    assert code == 2 and "missing.jsonl" in err
+
+
+def test_validate_imports_the_environments(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(
+        capsys,
+        "validate",
+        "grpo-tiny-arithmetic-cpu",
+        "policy.model_name=x",
+        "+env.mine.environment=nope.mod:Cls",
+    )
+    assert code == 2 and "nope.mod:Cls" in err
+
+
+def test_validate_says_which_hub_datasets_it_did_not_read(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(
+        capsys, "validate", "grpo-tiny-arithmetic-cpu", "policy.model_name=x", "data.dataset_name=gsm8k"
+    )
+    assert code == 0 and "not read by validate" in out and "openai/gsm8k" in out

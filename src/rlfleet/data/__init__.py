@@ -19,6 +19,7 @@ from rlfleet.data.prompts import (
     response_target,
 )
 from rlfleet.data.response_dataset import load_split, resolve_sources
+from rlfleet.data.sources import looks_local
 from rlfleet.data.types import Example, Prompt
 from rlfleet.environments.code import CodeProblem, load_humaneval
 
@@ -131,6 +132,18 @@ def load_task_with_report(data: DataConfig) -> TaskSplits:
         report={"train/bad_rows": train_rows.bad_rows, "val/bad_rows": val_rows.bad_rows},
         bad_row_samples=train_rows.bad_row_samples + val_rows.bad_row_samples,
     )
+
+
+def hub_sources(data: DataConfig) -> list[str]:
+    """The hub datasets the configured task reads (none for the built-in tasks and local files): what
+    ``rlfleet validate`` cannot read without downloading.
+
+    Raises:
+        DataError: A data path is unset and has no default.
+    """
+    if data.dataset_name in ("arithmetic", "multiplication", "humaneval"):
+        return []
+    return [s.path for s in resolve_sources(data) if not looks_local(s.path)]
 
 
 def load_task(data: DataConfig) -> tuple[list[Example], list[Example]]:

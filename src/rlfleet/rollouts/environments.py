@@ -106,16 +106,18 @@ class LoadedEnvironment:
     environment: EnvironmentInterface[Any]
 
 
-def load_environments(cfg: MasterConfig, examples: Iterable[Example]) -> dict[str, LoadedEnvironment]:
-    """The environments the rows use (the default one for rows naming none), each class built once here, so
-    that a bad name, path or cfg fails before anything expensive starts.
+def load_environments(
+    cfg: MasterConfig, examples: Iterable[Example], also: Iterable[str] = ()
+) -> dict[str, LoadedEnvironment]:
+    """The environments the rows use (the default one for rows naming none) and those named in ``also``,
+    each class built once here, so that a bad name, path or cfg fails before anything expensive starts.
 
     Raises:
         UserError: A row or ``data.env_name`` names an environment the recipe does not configure.
         EnvironmentLoadError: A class that cannot be imported or built.
     """
     loaded = {}
-    for name in environment_names(cfg, examples):
+    for name in sorted({*environment_names(cfg, examples), *also}):
         path, settings, workers, timeout_s = environment_settings(cfg, name)
         environment = build_environment(path, settings)
         loaded[name] = LoadedEnvironment(name, path, settings, workers, timeout_s, environment)
