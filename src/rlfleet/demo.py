@@ -13,6 +13,7 @@ from rlfleet.algorithms.grpo import grpo_train
 from rlfleet.algorithms.sft import sft_train
 from rlfleet.checkpoint import CheckpointManager, export_hf
 from rlfleet.config import (
+    DEMO_TASKS,
     MasterConfig,
     load_recipe,
     parse_override,
@@ -26,8 +27,7 @@ from rlfleet.models.tiny import TinyModelSpec, create_tiny_model, train_tokenize
 
 log = logging.getLogger("rlfleet")
 
-SFT_RECIPE = "sft-tiny-arithmetic-cpu"
-GRPO_RECIPE = "grpo-tiny-arithmetic-cpu"
+SFT_RECIPE, GRPO_RECIPE, _ = DEMO_TASKS["arithmetic"]
 
 
 def tokenizer_corpus(cfg: MasterConfig) -> list[str]:
@@ -64,20 +64,24 @@ def sft_section(overrides: Sequence[str]) -> list[str]:
     return [o for o in overrides if parse_override(o).key[0] == "sft"]
 
 
-def run_demo(out: Path, overrides: Sequence[str] = (), sft_overrides: Sequence[str] = ()) -> dict[str, float]:
-    """Runs the three stages under ``out``; returns the before/after validation accuracies.
+def run_demo(
+    out: Path, overrides: Sequence[str] = (), sft_overrides: Sequence[str] = (), task: str = "arithmetic"
+) -> dict[str, float]:
+    """Runs the three stages of ``task`` (``rlfleet.config.DEMO_TASKS``) under ``out``; returns the
+    before/after validation accuracies.
 
     ``overrides`` go to the GRPO stage; those of the ``sft`` section (``sft.max_num_steps=...``) go to the
     SFT stage as well, after ``sft_overrides``.
     """
     out = out.resolve()
+    sft_recipe, grpo_recipe, _ = DEMO_TASKS[task]
     sft_overrides = [*sft_overrides, *sft_section(overrides)]
     sft_cfg = load_recipe(
-        resolve_recipe_path(SFT_RECIPE), [*stage_overrides(out, "sft", out), *sft_overrides]
+        resolve_recipe_path(sft_recipe), [*stage_overrides(out, "sft", out), *sft_overrides]
     )
     base = ensure_tiny_model(out / "base_model", sft_cfg, seed=sft_cfg.sft.seed)
     sft_cfg = load_recipe(
-        resolve_recipe_path(SFT_RECIPE), [*stage_overrides(out, "sft", base), *sft_overrides]
+        resolve_recipe_path(sft_recipe), [*stage_overrides(out, "sft", base), *sft_overrides]
     )
     print(f"== stage 1/2: SFT warm start of {base}", flush=True, file=terminal())
     sft_train(sft_cfg)
@@ -88,7 +92,7 @@ def run_demo(out: Path, overrides: Sequence[str] = (), sft_overrides: Sequence[s
             raise RuntimeError(f"SFT wrote no checkpoint under {sft_cfg.checkpointing.checkpoint_dir}")
         export_hf(latest, sft_model)
     grpo_cfg = load_recipe(
-        resolve_recipe_path(GRPO_RECIPE), [*stage_overrides(out, "grpo", sft_model), *overrides]
+        resolve_recipe_path(grpo_recipe), [*stage_overrides(out, "grpo", sft_model), *overrides]
     )
     print(f"== stage 2/2: GRPO from {sft_model}", flush=True, file=terminal())
     grpo_train(grpo_cfg)

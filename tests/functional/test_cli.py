@@ -301,3 +301,24 @@ def test_validate_says_which_hub_datasets_it_did_not_read(capsys: pytest.Capture
         capsys, "validate", "grpo-tiny-arithmetic-cpu", "policy.model_name=x", "data.dataset_name=gsm8k"
     )
     assert code == 0 and "not read by validate" in out and "openai/gsm8k" in out
+
+
+def test_a_recipe_is_checked_for_the_algorithm_its_name_says(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "validate", "sft-tiny-arithmetic-cpu", "policy.model_name=x")
+    assert code == 0 and "GRPO as configured" not in out
+    code, out, _ = run_cli(capsys, "plan", "sft-tiny-arithmetic-cpu", "policy.model_name=x")
+    assert code == 0 and "(sft)" in out.splitlines()[0]
+    code, out, _ = run_cli(capsys, "validate", "grpo-tiny-arithmetic-cpu", "policy.model_name=x")
+    assert code == 0 and "GRPO as configured" in out
+
+
+def test_a_tiny_recipe_says_which_command_builds_its_model(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # no runs/ here
+    code, _, err = run_cli(capsys, "validate", "grpo-tiny-multiplication-tools-cpu")
+    assert code == 2 and "runs/tools/sft_model" in err and "make train-tools" in err
+    code, _, err = run_cli(capsys, "plan", "sft-tiny-arithmetic-cpu")
+    assert code == 2 and "runs/demo/base_model" in err and "`make train`" in err
+    (tmp_path / "runs" / "demo" / "base_model").mkdir(parents=True)
+    assert run_cli(capsys, "validate", "sft-tiny-arithmetic-cpu")[0] == 0

@@ -1,11 +1,13 @@
 """Recipe configuration: the schema, the YAML loader with ``defaults``, Hydra-style overrides, checks."""
 
 from rlfleet.config.checks import check_config, ensure_runnable, unsupported_settings
+from rlfleet.config.embedded import DEMO_COMMANDS, DEMO_TASKS
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.loader import (
     config_to_yaml,
     load_recipe,
     load_yaml_with_defaults,
+    recipe_algorithm,
     resolve_recipe_path,
     schema_keys,
     shipped_recipe_dirs,
@@ -17,6 +19,8 @@ from rlfleet.config.overrides import Override, apply_overrides, parse_override, 
 from rlfleet.config.schema import MasterConfig
 
 __all__ = [
+    "DEMO_COMMANDS",
+    "DEMO_TASKS",
     "LOGGED_METRICS",
     "ConfigError",
     "MasterConfig",
@@ -30,6 +34,7 @@ __all__ = [
     "normalize_metric_name",
     "parse_override",
     "quote_override_value",
+    "recipe_algorithm",
     "resolve_recipe_path",
     "schema_keys",
     "shipped_recipe_dirs",

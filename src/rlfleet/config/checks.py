@@ -22,11 +22,13 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import math
+from pathlib import Path
 from typing import Literal
 
 from rlfleet.config.backends import GenerationBackendInfo, backend_of
 from rlfleet.config.batching import PASSES, budget_key, recipe_budget, token_budget_section
 from rlfleet.config.capabilities import needs_several_processes, uses_ray
+from rlfleet.config.embedded import DEMO_COMMANDS, DEMO_TASKS
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.metric_names import LOGGED_METRICS, normalize_metric_name
@@ -147,8 +149,9 @@ def section_problems(cfg: MasterConfig) -> list[str]:
 
 
 def _model_name_problems(cfg: MasterConfig) -> list[str]:
-    if cfg.policy.model_name.strip():
-        return []
+    name = cfg.policy.model_name.strip()
+    if name:
+        return _unbuilt_demo_model(name)
     return [
         f"policy.model_name: got {cfg.policy.model_name!r}, expected a Hugging Face hub id or a local "
         "model directory; fix: set it in the recipe or on the command line "
@@ -570,4 +573,16 @@ def _data_parallel_problems(cfg: MasterConfig, layout: ResourceLayout) -> list[s
             f"= {per_step}; "
             f"fix: policy.train_global_batch_size={per_step * max(1, p.train_global_batch_size // per_step)}"
         ]
+    return []
+
+
+def _unbuilt_demo_model(model_name: str) -> list[str]:
+    """A tiny recipe's model directory (``runs/demo/sft_model``...) that its embedded job has not built yet:
+    the command that builds it."""
+    for task, (_, _, out) in DEMO_TASKS.items():
+        if Path(model_name).parts[:2] == Path(out).parts and not Path(model_name).is_dir():
+            return [
+                f"policy.model_name={model_name}: that model is not built yet; `{DEMO_COMMANDS[task]}` "
+                f"builds it (rlfleet demo --task {task}), or set policy.model_name to a model of yours"
+            ]
     return []

@@ -16,7 +16,7 @@ import typing
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -37,6 +37,7 @@ __all__ = [
     "load_recipe",
     "load_yaml_with_defaults",
     "parse_override",
+    "recipe_algorithm",
     "resolve_recipe_path",
     "schema_keys",
     "shipped_recipe_dirs",
@@ -360,6 +361,13 @@ def shipped_recipe_names() -> list[str]:
         f.relative_to(d).with_suffix("").as_posix() for d in shipped_recipe_dirs() for f in d.rglob("*.yaml")
     }
     return sorted(names)
+
+
+def recipe_algorithm(recipe: str | Path) -> Literal["grpo", "sft"]:
+    """The algorithm a recipe is for: the first word of its name (recipes are named
+    ``<algorithm>-<model>-<N>n<G>g-<strategy>``: ``sft-tiny-arithmetic-cpu``), GRPO when it names none."""
+    first = Path(recipe).name.split("-", 1)[0].lower()
+    return "sft" if first == "sft" else "grpo"
 
 
 def resolve_recipe_path(name_or_path: str | Path) -> Path:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from rlfleet.config.backends import backend_of
 from rlfleet.config.batching import ResolvedBatching
 from rlfleet.config.capabilities import uses_ray
-from rlfleet.config.checks import layout_problems, unsupported_settings
+from rlfleet.config.checks import Algorithm, layout_problems, unsupported_settings
 from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.resolved import policy_precision
@@ -52,6 +52,7 @@ class Plan:
     gen_engine: str | None  # the vLLM engine's settings in one line; None with the HF backend
     batching: ResolvedBatching  # the token budgets the run would use on this machine, with why
     optimizer_state_bytes: int  # per trained parameter (AdamW: m and v in float32)
+    algorithm: Algorithm = "grpo"  # what the plan is for (the recipe's name says: sft-... or grpo-...)
 
     def training_memory_gib(self) -> dict[str, float]:
         if self.parameters is None:
@@ -66,7 +67,7 @@ class Plan:
         }
 
 
-def make_plan(cfg: MasterConfig) -> tuple[Plan, list[str]]:
+def make_plan(cfg: MasterConfig, algorithm: Algorithm = "grpo") -> tuple[Plan, list[str]]:
     layout = resource_layout(cfg)
     problems = layout_problems(cfg, layout)
     g, p = cfg.grpo, cfg.policy
@@ -94,7 +95,8 @@ def make_plan(cfg: MasterConfig) -> tuple[Plan, list[str]]:
         gen_memory_utilization=p.generation.vllm_cfg.gpu_memory_utilization,
         gen_max_model_len=p.generation.vllm_cfg.max_model_len or p.max_total_sequence_length,
         gen_engine=vllm_engine_summary(cfg, layout=layout) if backend_of(layout).reads_vllm_cfg else None,
-        batching=resolve_batching(cfg, layout, "grpo"),
+        batching=resolve_batching(cfg, layout, algorithm),
+        algorithm=algorithm,
         optimizer_state_bytes=OPTIMIZER_STATE_BYTES[p.optimizer.name],
     )
     return plan, problems
@@ -154,7 +156,7 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
             "sequence budget",
             f"{p.max_total_sequence_length} tokens, max_new_tokens {p.generation.max_new_tokens}",
         ),
-        *describe_algorithm(cfg, plan.batching),
+        *(describe_algorithm(cfg, plan.batching) if plan.algorithm == "grpo" else []),
     ]
 
 
@@ -278,7 +280,7 @@ def _memory_lines(cfg: MasterConfig, plan: Plan) -> list[str]:
 
 def format_plan(cfg: MasterConfig, plan: Plan, recipe: str) -> str:
     """The plan as the text ``rlfleet plan`` prints."""
-    lines = [f"plan for {recipe}"] + [f"  {k:<20}{v}" for k, v in _rows(cfg, plan)]
+    lines = [f"plan for {recipe} ({plan.algorithm})"] + [f"  {k:<20}{v}" for k, v in _rows(cfg, plan)]
     lines += [
         f"  {'not in this build':<20}{problem}" for problem in unsupported_settings(cfg, layout=plan.layout)
     ]
