@@ -143,7 +143,7 @@ def print_table(title: str, rows: Timings, unit: str) -> None:
     print(f"{'path':<38} {'s/' + unit:>8} {'tokens/s':>9} {'time ratio':>10}")
     base = None
     for name, samples in rows.items():
-        seconds = statistics.mean(s for s, _ in samples)
+        seconds = statistics.median(s for s, _ in samples)  # the median: one slow outlier is noise
         rate = sum(t for _, t in samples) / sum(s for s, _ in samples)
         base = base if base is not None else seconds
         print(f"{name:<38} {seconds:>8.3f} {rate:>9.0f} {seconds / base:>10.3f}")
