@@ -440,7 +440,7 @@ def test_item_that_kills_its_worker_is_retried_once(tmp_path):
 
 def test_item_that_kills_every_worker_raises_and_the_pool_recovers():
     with ProcessWorkerPool(always_die_reward, num_workers=2, timeout_s=5.0) as pool:
-        with pytest.raises(RuntimeError, match="died twice on response 1"):
+        with pytest.raises(RuntimeError, match="died twice on item 1"):
             pool.score([("q", "ok", "g"), ("q", "die", "g"), ("q", "ok", "g")])
         assert pool.score([("q", "ok", "g")] * 3).rewards == [1.0] * 3
 

@@ -198,7 +198,7 @@ def _name_of(reward: RewardFn | str) -> str:
 
 
 class WorkerPool(ABC):
-    """What both verifier pools offer: score batches, each response within ``timeout_s``, in workers.
+    """What both worker pools offer: run batches, each item within ``timeout_s``, in workers.
 
     The loop they share (dispatch items to workers, collect, expire the late ones) is ``PoolLoop``.
 
@@ -284,7 +284,7 @@ BatchT = TypeVar("BatchT", bound=PendingItems)
 
 
 class PoolLoop(WorkerPool, Generic[BatchT]):
-    """The loop both verifier pools share, over their own bookkeeping ``BatchT`` of one ``score`` call.
+    """The loop both worker pools share, over their own bookkeeping ``BatchT`` of one ``score`` call.
 
     A subclass supplies the workers (processes or Ray actors) through the abstract methods.
     """
@@ -500,14 +500,14 @@ class ProcessWorkerPool(PoolLoop[PendingItems]):
             batch.startup_failures += 1
             if batch.startup_failures >= MAX_STARTUP_FAILURES:
                 raise RuntimeError(
-                    f"verifier workers keep exiting while starting (exit code {code}); check that the reward "
+                    f"pool workers keep exiting while starting (exit code {code}); check that the reward "
                     f"function {self._reward!r} imports and runs in a fresh Python process"
                 )
         if not in_flight:
             return
         if in_flight[0] in batch.retried:
             raise RuntimeError(
-                f"a verifier worker died twice on response {in_flight[0]} of the batch (exit code {code}; -9 "
+                f"a pool worker died twice on item {in_flight[0]} of the batch (exit code {code}; -9 "
                 "is SIGKILL, often the out-of-memory killer), the second time on a fresh worker; lower "
                 "env.math.num_workers or check the reward function on this response"
             )
@@ -525,6 +525,6 @@ class ProcessWorkerPool(PoolLoop[PendingItems]):
             elif not worker.ready and now - worker.started > self._startup_timeout_s:
                 self._replace(worker)
                 raise RuntimeError(
-                    f"a verifier worker did not start within {self._startup_timeout_s:.0f} s; the machine "
+                    f"a pool worker did not start within {self._startup_timeout_s:.0f} s; the machine "
                     "may be overloaded (lower env.math.num_workers) or the reward function slow to import"
                 )

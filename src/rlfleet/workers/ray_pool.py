@@ -39,7 +39,7 @@ from rlfleet.workers.pool import (
 )
 
 
-class _VerifierActor:
+class _WorkerActor:
     """Runs in one Ray actor (on its main thread, where ``SIGALRM`` budgets work)."""
 
     def __init__(self, reward: RewardFn | str, soft_timeout_s: float, convert: Convert = float) -> None:
@@ -126,7 +126,7 @@ class RayWorkerPool(PoolLoop[_RetryBatch]):
         self._slack_s = slack_s
         self._startup_timeout_s = startup_timeout_s
         options = {"num_cpus": num_cpus, "max_restarts": 0, "max_task_retries": 0}
-        self._remote = ray.remote(_VerifierActor).options(**options)
+        self._remote = ray.remote(_WorkerActor).options(**options)
         self._slots = [self._start() for _ in range(num_workers)]
 
     # -------------------------------------------------------------------------------------------- public
