@@ -209,7 +209,7 @@ def test_unknown_nested_key_names_full_key_and_suggestion(section: str, typo: st
         (
             {"policy": {"train_micro_batch_size": "abc"}},
             "policy.train_micro_batch_size: got 'abc' (str), expected an integer; fix: set "
-            "policy.train_micro_batch_size to a valid value, or remove it to use the default 8",
+            "policy.train_micro_batch_size to a valid value (the schema's default is 8)",
         ),
         (
             {"checkpointing": {"keep_top_k": 0}},

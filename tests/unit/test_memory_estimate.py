@@ -240,6 +240,12 @@ def test_the_layout_the_oom_killer_ended_is_refused_with_the_estimate_and_a_fix(
     assert memory_problems(cfg) == []
 
 
+def test_a_refusal_on_a_cpu_machine_says_there_is_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    _machine(monkeypatch, 22.8)
+    [problem] = memory_problems(_cfg(*OOM_LAYOUT))
+    assert "available on this machine (no CUDA GPU is visible: it would train on the CPU)" in problem
+
+
 def test_the_suggested_fixes_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     _machine(monkeypatch, 22.8)
     assert (

@@ -271,7 +271,9 @@ def _fix(loc: Sequence[Any]) -> str:
     key = _dotted(field_loc)
     if isinstance(node, dict):
         return f"give {key} a mapping of its keys, or remove it to use the section's defaults"
-    return f"set {key} to a valid value, or remove it to use the default {short_repr(node)}"
+    # which layer set the bad value (a recipe, its parent, an override) is not known here: removing it may
+    # bring back a recipe's value, not the schema's, so the default is named as the schema's
+    return f"set {key} to a valid value (the schema's default is {short_repr(node)})"
 
 
 def _unknown_key(loc: Sequence[Any], value: Any) -> str:

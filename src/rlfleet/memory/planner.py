@@ -422,7 +422,8 @@ def memory_problems(
     plan = memory_plan(cfg, layout, parameters, trainable, tokens=tokens, algorithm=algorithm)
     if plan.available is None or plan.total() <= REFUSAL_SHARE * plan.available:
         return []
-    where = "one GPU" if plan.on_gpu else "this machine"
+    # on a CPU, say so: a recipe written for a GPU is refused here for want of one, not of memory
+    where = "one GPU" if plan.on_gpu else "this machine (no CUDA GPU is visible: it would train on the CPU)"
     worst = max(plan.passes, key=lambda k: sum(plan.passes[k].values()))
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in plan.passes[worst].items())
     fixes = _fixes(cfg, layout, parameters, trainable, algorithm, batching)
