@@ -31,6 +31,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,7 +181,7 @@ def format_table(rows: list[Row], skipped: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -193,10 +194,20 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true", help="add the GRPO+LoRA row")
     parser.add_argument("--variants", nargs="*", default=None, help=f"rows to run (of {', '.join(VARIANTS)})")
     parser.add_argument("overrides", nargs="*", help="overrides applied to every row")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.variants or ()) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; the rows are {', '.join(VARIANTS)}")
+    if args.steps is None:
+        args.steps = 2 if args.quick else 80
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="rlfleet-algorithms-")).resolve()
     model = choose_start(args.model, out, args.quick)
-    steps = args.steps if args.steps is not None else (2 if args.quick else 80)
+    steps = args.steps
     names = args.variants or [n for n in VARIANTS if n != "GRPO+LoRA" or args.lora]
     extra = [*(QUICK if args.quick else ()), *args.overrides]
     rows, skipped = [], {}

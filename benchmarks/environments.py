@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from rlfleet.algorithms.evaluation import run_eval
@@ -61,7 +62,7 @@ def evaluate(cfg: MasterConfig, name: str, out: Path) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/bench_environments"))
     parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps per stage")
@@ -69,18 +70,26 @@ def main() -> None:
     parser.add_argument(
         "--grpo", nargs="*", default=[], help="overrides of the GRPO stage (grpo.max_num_steps=60)"
     )
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     out: Path = args.out.resolve()
-    quick = ["sft.max_num_steps=4", "sft.val_period=2", "data.multiplication.num_val=8"] if args.quick else []
+    # quick: each SFT 2 steps, validated once at its end; GRPO 2 steps of 2 x 4 episodes, validated at its
+    # start and end
+    sft_quick = ["sft.max_num_steps=2", "sft.val_period=2", "sft.val_at_start=false"]
+    quick = [*sft_quick, "data.multiplication.num_val=8"] if args.quick else []
     if args.sft_steps is not None and not args.quick:
         quick = [f"sft.max_num_steps={args.sft_steps}"]
     grpo_quick = (
         [
             "grpo.max_num_steps=2",
-            "grpo.val_period=1",
-            "grpo.num_prompts_per_step=4",
-            "policy.train_global_batch_size=32",
-            "policy.train_micro_batch_size=32",
+            "grpo.val_period=2",
+            "grpo.num_prompts_per_step=2",
+            "grpo.num_generations_per_prompt=4",
+            "policy.train_global_batch_size=8",
+            "policy.train_micro_batch_size=8",
         ]
         if args.quick
         else []

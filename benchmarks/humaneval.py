@@ -53,8 +53,8 @@ def spread(problems: Sequence[CodeProblem], count: int | None) -> list[CodeProbl
 
 
 def worker_limits(index: int) -> SandboxLimits:
-    """Worker ``index``'s limits: a uid (and gid) of its own, as the sandbox asks of parallel workers (the
-    process limit counts every process of a uid); the uids count down from *nobody*'s."""
+    """Worker ``index``'s limits: a uid (and gid) of its own, counting down from *nobody*'s, so that where no
+    cgroup bounds each sandbox the workers do not share one process limit (RLIMIT_NPROC counts a uid's)."""
     return dataclasses.replace(LIMITS, uid=LIMITS.uid - index, gid=LIMITS.gid - index)
 
 

@@ -37,7 +37,7 @@ import copy
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -144,7 +144,7 @@ def print_table(distribution: str, batch: TrainBatch, results: list[dict]) -> No
         )
 
 
-def main() -> None:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -159,10 +159,15 @@ def main() -> None:
     parser.add_argument("--round", type=int, default=16, help="dynamic_batching.sequence_length_round")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
-    parser.add_argument("--quick", action="store_true", help="16 rows, one repeat")
-    args = parser.parse_args()
-    if args.quick:
-        args.rows, args.repeats = 16, 1
+    parser.add_argument("--quick", action="store_true", help="at most 16 rows, one repeat")
+    args = parser.parse_args(argv)
+    if args.quick:  # at most 16 rows (fewer where --rows asks for fewer), one repeat
+        args.rows, args.repeats = min(args.rows, 16), 1
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

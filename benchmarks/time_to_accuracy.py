@@ -331,7 +331,7 @@ def plot(case: Case, scores: dict[str, dict[float, float]], out: Path) -> None:
     fig.savefig(out, dpi=100)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -354,16 +354,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         "measured: 64 rows at once were OOM-killed at 23.5 GB on a 24 GB machine)",
     )
     parser.add_argument("--out", default=None, help="where the plot and the JSON go (default: a temp dir)")
-    parser.add_argument("--quick", action="store_true", help="tiny model, a few seconds per side")
+    parser.add_argument("--quick", action="store_true", help="tiny model, about a step per side")
     parser.add_argument("--side", choices=["rlfleet", "trl"], help=argparse.SUPPRESS)  # a child's side
     parser.add_argument("--work", help=argparse.SUPPRESS)  # the parent's work dir (children)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    if args.quick:
-        args.budget_min, args.marks, args.prompts, args.samples = 0.1, "0,0.05,0.1", 2, 2
+    if args.quick:  # marks at 0, 0.6 and 1.2 s: each side's first step passes the last two
+        args.budget_min, args.marks, args.prompts, args.samples = 0.02, "0,0.01,0.02", 2, 2
         args.max_new_tokens, args.val_prompts, args.trl_micro_batch = 8, 4, 0
     if args.trl_micro_batch and (args.prompts * args.samples) % args.trl_micro_batch:
         parser.error("--trl-micro-batch must divide --prompts x --samples")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="rlfleet-tta-"))
     out = Path(args.out) if args.out else work
     out.mkdir(parents=True, exist_ok=True)

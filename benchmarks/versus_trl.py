@@ -27,7 +27,7 @@ the row's compute dtype (bf16 or float32, a 1024^3 matmul on the benchmark's thr
     .venv/bin/pip install -c constraints-cpu.txt -e '.[bench]'   # TRL
     .venv/bin/python benchmarks/versus_trl.py                  # SmolLM2, 64 new tokens (~12 min on 2 cores)
     .venv/bin/python benchmarks/versus_trl.py --max-new-tokens 256
-    .venv/bin/python benchmarks/versus_trl.py --quick             # tiny in-process model, 2 steps (seconds)
+    .venv/bin/python benchmarks/versus_trl.py --quick             # a smoke check: tiny model, 2 tiny steps
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -442,11 +443,13 @@ def table(results: list[StepTimes], floors: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="tiny in-process model, 2 steps (a smoke test)")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny model, 2 steps of 2 prompts x 2 samples x 8 tokens (smoke)"
+    )
     parser.add_argument(
         "--steps", type=int, default=None, help="steps per framework (default 4; 2 with --quick)"
     )
@@ -470,11 +473,19 @@ def main() -> None:
         help="an override of the 'rlfleet best' row only (e.g. "
         "policy.dtensor_cfg.activation_checkpointing=false where a step fits without it)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.quick:  # the smallest case that still runs every row and every phase end to end
+        args.prompts, args.samples, args.max_new_tokens = 2, 2, 8
+    if args.steps is None:
+        args.steps = 2 if args.quick else 4
+    return args
 
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
-    steps = args.steps if args.steps is not None else (2 if args.quick else 4)
+    steps = args.steps
     work = Path(tempfile.mkdtemp(prefix="rlfleet-vs-trl-"))
     case = Case(
         model_dir=prepare_model(work / "model", args.quick),

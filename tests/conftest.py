@@ -343,7 +343,7 @@ RAY_RELEASE_WAIT_S = 30.0  # ray.kill and placement-group removal are asynchrono
 @dataclass
 class SessionRay:
     """The in-process local Ray cluster the modules share: started the first time a module asks for one and
-    shut down at the end of the session, or earlier for a module that needs a cluster of its own or leaves
+    shut down after the last one, or earlier for a module that needs a cluster of its own or leaves
     something of its runs behind (the next module then finds a fresh cluster, as each used to)."""
 
     num_cpus: int | None = None  # of the cluster this object started and that is up; None: none
@@ -400,7 +400,7 @@ def _ray_released(timeout_s: float) -> bool:
 
 @pytest.fixture(scope="session")
 def session_ray() -> Iterator[SessionRay]:
-    """The session's Ray cluster (started lazily by :func:`ray_cluster`); shut down after the last test."""
+    """The session's Ray cluster (started lazily by :func:`ray_cluster`), down at the end at the latest."""
     cluster = SessionRay()
     yield cluster
     cluster.stop()
@@ -435,10 +435,21 @@ def ray_cluster(request: pytest.FixtureRequest, session_ray: SessionRay) -> Iter
         session_ray.stop()
     session_ray.ensure(getattr(request.module, "RAY_NUM_CPUS", RAY_SESSION_CPUS))
     yield
-    if fresh:
+    if fresh or not _ray_needed_after(request):
         session_ray.stop()
     else:
         session_ray.stop_unless_released()
+
+
+def _ray_needed_after(request: pytest.FixtureRequest) -> bool:
+    """Whether a test that runs after this module asks for ``ray_cluster`` (one skipped at collection, as
+    the ``gpu`` tests without a GPU, does not): an idle cluster costs a tenth of a core."""
+    items = request.session.items
+    here = [i for i, item in enumerate(items) if getattr(item, "module", None) is request.module]
+    return any(
+        "ray_cluster" in getattr(item, "fixturenames", ()) and item.get_closest_marker("skip") is None
+        for item in items[max(here, default=len(items)) + 1 :]
+    )
 
 
 @pytest.fixture
@@ -535,6 +546,8 @@ def ray_head() -> Iterator[RayHead]:
     port, dashboard_port = free_port(), free_port()
     command = [str(RAY), "start", "--head", "--block", "--node-ip-address", "127.0.0.1"]
     command += ["--port", str(port), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port)]
+    # the agent that runs submitted jobs: not on its default port, which the session's cluster holds
+    command += ["--dashboard-agent-listen-port", str(free_port())]
     command += ["--num-cpus", "1", "--temp-dir", str(tmp / "ray"), "--include-dashboard", "true"]
     log = tmp / "ray-start.log"
     with log.open("wb") as out:

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/algorithms.py: rows run from a given model and the table prints."""
+"""Smoke test of benchmarks/algorithms.py: rows run from a given model and the table prints; its arguments."""
 
 from __future__ import annotations
 
@@ -10,6 +10,16 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "algorithms.py"
+
+
+def test_arguments_choose_rows_steps_and_overrides() -> None:
+    from benchmarks.algorithms import parse_args
+
+    assert [parse_args(argv).steps for argv in ([], ["--quick"], ["--steps", "5"])] == [80, 2, 5]
+    args = parse_args(["--variants", "DAPO", "GSPO", "--lora", "--", "grpo.seed=3"])
+    assert (args.variants, args.lora, args.overrides) == (["DAPO", "GSPO"], True, ["grpo.seed=3"])
+    with pytest.raises(SystemExit):
+        parse_args(["--variants", "PPO"])
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/environments.py: every stage runs in quick mode and the table prints."""
+"""Smoke test of benchmarks/environments.py: every stage runs in quick mode and the table prints; its
+arguments."""
 
 from __future__ import annotations
 
@@ -10,6 +11,20 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "environments.py"
+
+
+def test_arguments_name_the_output_folder_and_the_grpo_overrides() -> None:
+    from benchmarks.environments import parse_args
+
+    default = parse_args([])
+    assert (default.out, default.quick, default.sft_steps, default.grpo) == (
+        Path("runs/bench_environments"), False, None, []
+    )  # fmt: skip
+    args = parse_args(
+        ["--quick", "--out", "x", "--sft-steps", "3", "--grpo", "grpo.seed=3", "grpo.val_period=1"]
+    )
+    assert (args.out, args.quick, args.sft_steps) == (Path("x"), True, 3)
+    assert args.grpo == ["grpo.seed=3", "grpo.val_period=1"]
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/packing.py: the three layouts run on the tiny model and the table prints."""
+"""Smoke test of benchmarks/packing.py: the three layouts run on the tiny model and the table prints; its
+arguments."""
 
 from __future__ import annotations
 
@@ -11,6 +12,15 @@ import pytest
 from rlfleet.policy.microbatch import PACKED_WIDTHS_PER_DOUBLING
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "packing.py"
+
+
+def test_quick_caps_the_rows_and_runs_once() -> None:
+    from benchmarks.packing import parse_args
+
+    full = parse_args([])
+    assert (full.rows, full.repeats, full.distributions) == (64, 3, ["arithmetic", "gsm8k"])
+    assert (parse_args(["--quick"]).rows, parse_args(["--quick"]).repeats) == (16, 1)
+    assert parse_args(["--quick", "--rows", "8"]).rows == 8  # fewer rows where asked
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Smoke test of benchmarks/versus_trl.py: both frameworks run the tiny case, like for like and each at its
-best, and the table with the FLOP floors, both speed-ups and each phase against its own floors prints.
+best, and the table with the FLOP floors, both speed-ups and each phase against its own floors prints; its
+arguments; the overlong penalty TRL gets.
 
 Needs TRL: the ``bench`` extra, which ``dev`` includes (``make test`` installs it), so it never skips.
 """
@@ -34,6 +35,17 @@ def test_quick_comparison_prints_both_frameworks_and_the_speed_up() -> None:
         for phase in ("generation", "training"):
             assert (name, phase) in by_phase, f"no {phase} row for {name} in the by-phase table"
         assert by_phase[name, "generation"][5].strip(), "decoding's weight-read floor is missing"
+
+
+def test_quick_is_the_smallest_case_and_the_defaults_are_the_benchmarks() -> None:
+    from benchmarks.versus_trl import parse_args
+
+    quick = parse_args(["--quick"])
+    assert (quick.prompts, quick.samples, quick.max_new_tokens, quick.steps) == (2, 2, 8, 2)
+    full = parse_args(["--steps", "6", "--override", "a=1", "--override", "b=2"])
+    assert (full.prompts, full.samples, full.max_new_tokens, full.steps) == (4, 4, 64, 6)
+    assert full.override == ["a=1", "b=2"] and not full.quick and not full.skip_trl
+    assert parse_args([]).steps == 4
 
 
 def test_trl_gets_the_same_overlong_penalty_as_rlfleet() -> None:
