@@ -160,7 +160,17 @@ def test_eval_of_a_checkpoint_counts_pass_at_k_and_uses_its_weights(
     assert report["samples_file"] == str(samples_file) and f"samples      {samples_file}" in printed
     written = [json.loads(line) for line in samples_file.read_text().splitlines()]
     assert written == [r.sample() for r in rollouts]
-    assert set(written[0]) == {"prompt", "response", "gold", "reward"}
+    assert set(written[0]) == {
+        "prompt",
+        "response",
+        "gold",
+        "reward",
+        "conversation",
+        "turns",
+        "cut",
+        "env_failed",
+    }
+    assert written[0]["conversation"][-1] == {"role": "assistant", "content": written[0]["response"]}
 
     # The samples came from the checkpoint's weights: each token's sampling logprob is the checkpoint
     # model's (computed here from the step_4 files), and the base model's is measurably different.

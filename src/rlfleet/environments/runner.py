@@ -69,12 +69,18 @@ def build_environment(path: str, cfg: Mapping[str, Any]) -> EnvironmentInterface
     """An instance of ``path``'s class built with ``cfg``.
 
     Raises:
-        EnvironmentLoadError: The class cannot be loaded, or its constructor raised.
+        EnvironmentLoadError: The class cannot be loaded, or a user's class's constructor raised.
+        UserError: A constructor's own user error (``RewardFnError`` for a reward function that does not
+            import), unchanged.
     """
     cls = environment_class(path)
     try:
         return cls(dict(cfg))
+    except UserError:
+        raise  # it says what to fix already (a reward function that does not import, say)
     except Exception as exc:
+        if path in BUILTIN:  # a built-in environment fails to build only on a bug (its own or imported code)
+            raise
         raise EnvironmentLoadError(
             f"environment {path!r} could not be built from cfg {dict(cfg)}: {exc!r}"
         ) from exc
