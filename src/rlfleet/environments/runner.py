@@ -79,8 +79,8 @@ def build_environment(path: str, cfg: Mapping[str, Any]) -> EnvironmentInterface
     except UserError:
         raise  # it says what to fix already (a reward function that does not import, say)
     except Exception as exc:
-        if path in BUILTIN:  # a built-in environment fails to build only on a bug (its own or imported code)
-            raise
+        if path in BUILTIN and not isinstance(exc, (ValueError, TypeError, KeyError)):
+            raise  # not a bad cfg: a bug, in the built-in class or in code it imports (a reward module)
         raise EnvironmentLoadError(
             f"environment {path!r} could not be built from cfg {dict(cfg)}: {exc!r}"
         ) from exc
