@@ -205,6 +205,7 @@ def test_the_math_environment_scores_as_single_turn_grpo(model_and_tokenizer: tu
         assert [r.result.token_ids for r in episodes.rollouts] == [r.token_ids for r in single]
         assert [r.result.logprobs for r in episodes.rollouts] == [r.logprobs for r in single]
         assert [r.result.text for r in episodes.rollouts] == [r.text for r in single]
+        assert [r.result.finished for r in episodes.rollouts] == [r.finished for r in single]  # truncation
         assert [r.reward for r in episodes.rollouts] == rewards
         assert all(r.mask == (1,) * len(r.result.token_ids) for r in episodes.rollouts)
 

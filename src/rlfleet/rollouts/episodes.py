@@ -99,6 +99,7 @@ class Episode:
     turns: int = 0
     done: bool = False
     cut: bool = False
+    last_turn_finished: bool = True  # the latest turn ended at EOS or a stop string, not at max_new_tokens
     failed: bool = False
 
     @property
@@ -239,6 +240,7 @@ class EpisodeRunner:
         if len(result.token_ids) > budget or (len(ids) == budget and not result.finished):
             episode.cut = True  # the sequence budget ended this turn
         episode.append(ids, logprobs)
+        episode.last_turn_finished = result.finished and len(ids) == len(result.token_ids)
         text = result.text if len(ids) == len(result.token_ids) else self._decode(ids, skip_special=True)
         episode.messages.append({"role": "assistant", "content": text})
         episode.turns += 1
@@ -286,7 +288,7 @@ class EpisodeRunner:
             token_ids=tuple(episode.token_ids),
             logprobs=tuple(episode.logprobs),
             text=text,
-            finished=not episode.cut,
+            finished=not episode.cut and episode.last_turn_finished,  # truncated: cut, or out of tokens
         )
         info = {
             "turns": float(episode.turns),
