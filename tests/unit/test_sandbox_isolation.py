@@ -30,6 +30,7 @@ import pytest
 import rlfleet
 from rlfleet.environments import cgroups
 from rlfleet.environments.sandbox import SandboxLimits, SandboxResult, run_python
+from tests.unit.test_sandbox import processes_of
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox's isolation is Linux only")
 
@@ -67,18 +68,6 @@ def as_dict(result: SandboxResult) -> dict[str, Any]:
     del out["limits"]
     out["summary"] = result.summary
     return json.loads(json.dumps(out))  # the shape the unprivileged caller prints
-
-
-def processes_of(uid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.stat(f"/proc/{entry}").st_uid == uid:
-                    pids.append(int(entry))
-            except FileNotFoundError:
-                pass
-    return pids
 
 
 def wait_for(condition: Any, what: str) -> None:
