@@ -16,13 +16,13 @@ import typing
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 import rlfleet
-from rlfleet.config.checks import section_problems
+from rlfleet.config.checks import Algorithm, section_problems
 from rlfleet.config.errors import ConfigError, deep_merge, got, short_repr
 from rlfleet.config.overrides import Override, apply_overrides, parse_override
 from rlfleet.config.schema import MasterConfig
@@ -365,7 +365,7 @@ def shipped_recipe_names() -> list[str]:
     return sorted(names)
 
 
-def recipe_algorithm(recipe: str | Path) -> Literal["grpo", "sft"]:
+def recipe_algorithm(recipe: str | Path) -> Algorithm:
     """The algorithm a recipe is for: the first word of its name (recipes are named
     ``<algorithm>-<model>-<N>n<G>g-<strategy>``: ``sft-tiny-arithmetic-cpu``), GRPO when it names none."""
     first = Path(recipe).name.split("-", 1)[0].lower()

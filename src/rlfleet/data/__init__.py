@@ -77,6 +77,10 @@ class TaskSplits:
     bad_row_samples: list[str] = field(default_factory=list)
 
 
+GENERATED_TASKS = ("arithmetic", "multiplication", "humaneval")
+"""Tasks built in rlfleet (their rows come from code or a package, never from a data file or the hub)."""
+
+
 def load_task_with_report(data: DataConfig) -> TaskSplits:
     """Loads and validates every row of the configured dataset, and checks the prompt files.
 
@@ -141,7 +145,7 @@ def hub_sources(data: DataConfig) -> list[str]:
     Raises:
         DataError: A data path is unset and has no default.
     """
-    if data.dataset_name in ("arithmetic", "multiplication", "humaneval"):
+    if data.dataset_name in GENERATED_TASKS:
         return []
     return [s.path for s in resolve_sources(data) if not looks_local(s.path)]
 
