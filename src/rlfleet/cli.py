@@ -39,7 +39,8 @@ from rlfleet.memory.allocator import run_on_jemalloc
 log = logging.getLogger("rlfleet")
 
 DEBUG_ENV = "RLFLEET_DEBUG"
-ALGORITHM_HELP = "what the recipe is checked for (default: its name's first word, sft-... or grpo-...)"
+ALGORITHM_HELP = "what the recipe is checked for (default: its name's first word: grpo-, sft- or dpo-...)"
+ALGORITHMS = ("grpo", "sft", "dpo")
 # Top-level module of an optional dependency -> the extra of pyproject.toml that installs it.
 OPTIONAL_EXTRAS = {
     "ray": "ray",
@@ -75,6 +76,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             from rlfleet.algorithms.grpo import grpo_train
 
             grpo_train(cfg)
+        elif args.command == "dpo":
+            from rlfleet.algorithms.dpo import dpo_train
+
+            dpo_train(cfg)
         else:
             from rlfleet.algorithms.sft import sft_train
 
@@ -93,8 +98,11 @@ def check_inputs(cfg: MasterConfig) -> list[str]:
     """
     from rlfleet.data import hub_sources, load_task
     from rlfleet.rollouts.environments import load_environments
+    from rlfleet.rollouts.pairs import PairSource
 
     hub = hub_sources(cfg.data)
+    if not hub and not PairSource.of(cfg.data).sampled:  # preference rows read and checked
+        return hub
     rows = [] if hub else [row for split in load_task(cfg.data) for row in split]
     load_environments(cfg, rows, also=cfg.env.custom())  # configured ones no row names are checked too
     return hub
@@ -197,7 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"print the traceback of errors that are reported as a message only (or set {DEBUG_ENV}=1)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("grpo", "GRPO training"), ("sft", "supervised fine-tuning")):
+    for name, help_text in (
+        ("grpo", "GRPO training"),
+        ("sft", "supervised fine-tuning"),
+        ("dpo", "direct preference optimisation"),
+    ):
         p = sub.add_parser(name, help=help_text, description=f"{help_text}: RECIPE plus key=value overrides")
         p.add_argument("recipe", help="recipe YAML path or shipped recipe name")
         p.add_argument("overrides", nargs="*", help="overrides such as grpo.max_num_steps=10")
@@ -205,12 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="print the resolved config, or every error in it")
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--algorithm", choices=["grpo", "sft"], help=ALGORITHM_HELP)
+    p.add_argument("--algorithm", choices=ALGORITHMS, help=ALGORITHM_HELP)
     p.set_defaults(func=cmd_validate)
     p = sub.add_parser("plan", help="print the resource layout and memory estimate; starts nothing")
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--algorithm", choices=["grpo", "sft"], help=ALGORITHM_HELP)
+    p.add_argument("--algorithm", choices=ALGORITHMS, help=ALGORITHM_HELP)
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("eval", help="pass@1 / pass@k of a recipe's model or of a checkpoint")
     p.add_argument("target", help="recipe (path or shipped name) or a step_N checkpoint directory")

@@ -32,6 +32,7 @@ from rlfleet.config.embedded import DEMO_COMMANDS, DEMO_TASKS
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.metric_names import LOGGED_METRICS, normalize_metric_name
+from rlfleet.config.preference import PREFERENCE_DATASETS
 from rlfleet.config.schema import BUILTIN_ENVIRONMENTS, MasterConfig
 from rlfleet.utils.intmath import round_up
 
@@ -44,7 +45,7 @@ __all__ = [
     "unsupported_settings",
 ]
 
-Algorithm = Literal["grpo", "sft"]
+Algorithm = Literal["grpo", "sft", "dpo"]
 
 # ------------------------------------------------------------------------------------------- entry points
 
@@ -55,7 +56,7 @@ def check_config(cfg: MasterConfig, algorithm: Algorithm, *, layout: ResourceLay
 
     Args:
         cfg: The validated config.
-        algorithm: ``"grpo"`` or ``"sft"``; the GRPO-only checks are skipped for ``"sft"``.
+        algorithm: ``"grpo"``, ``"sft"`` or ``"dpo"``; the GRPO-only checks run for ``"grpo"`` only.
         layout: ``resource_layout(cfg)`` when the caller has it already; computed here if not.
 
     Raises:
@@ -64,13 +65,20 @@ def check_config(cfg: MasterConfig, algorithm: Algorithm, *, layout: ResourceLay
     if algorithm not in LOGGED_METRICS:
         raise ConfigError(
             f"algorithm: got {algorithm!r}, expected one of {', '.join(sorted(LOGGED_METRICS))}; "
-            "fix: pass 'grpo' or 'sft'"
+            "fix: pass 'grpo', 'sft' or 'dpo'"
         )
     layout = layout if layout is not None else resource_layout(cfg)
     problems = section_problems(cfg)
     problems += _model_name_problems(cfg)
     problems += _batch_problems(cfg, algorithm)
     problems += _micro_batching_problems(cfg)
+    if algorithm == "dpo":
+        problems += _dpo_problems(cfg, layout)
+    elif cfg.data.dataset_name in PREFERENCE_DATASETS:
+        problems.append(
+            f"data.dataset_name: {cfg.data.dataset_name} is preference data (chosen and rejected replies), "
+            f"which {algorithm} cannot train on; fix: `rlfleet dpo` on it, or a task dataset for {algorithm}"
+        )
     if algorithm == "grpo":
         problems += _length_problems(cfg) + _baseline_problems(cfg)
         problems += _loss_problems(cfg) + _dapo_problems(cfg) + _async_problems(cfg)
@@ -127,6 +135,12 @@ def section_problems(cfg: MasterConfig) -> list[str]:
             f"data.env_name: {cfg.data.env_name!r} is not an environment of the recipe (known: "
             f"{', '.join(sorted(known))}); fix: one of them, or add env.{cfg.data.env_name}.environment="
             "<import path of your EnvironmentInterface class>"
+        )
+    scorers = {"reward_model": cfg.env.reward_model.model_name, "judge": cfg.env.judge.model_name}
+    if cfg.data.env_name in scorers and not scorers[cfg.data.env_name].strip():
+        problems.append(
+            f"env.{cfg.data.env_name}.model_name: empty, but data.env_name={cfg.data.env_name} scores with "
+            f"that model; fix: env.{cfg.data.env_name}.model_name=<hub id or local directory>"
         )
     if cfg.data.env_name == "tools" and cfg.grpo.max_rollout_turns < 2:
         problems.append(
@@ -222,6 +236,31 @@ def _micro_batching_problems(cfg: MasterConfig) -> list[str]:
                 f"policy.{name}.{budget_key(pass_)}={longest} or more (or null for "
                 "max_total_sequence_length x the micro-batch rows)"
             )
+    return problems
+
+
+def _dpo_problems(cfg: MasterConfig, layout: ResourceLayout) -> list[str]:
+    """DPO's pairs: whole pairs on every data-parallel rank, and a pair's two rows in one micro-batch."""
+    p, problems = cfg.policy, []
+    if p.train_global_batch_size % layout.train_dp:
+        problems.append(
+            f"policy.train_global_batch_size={p.train_global_batch_size} pairs do not split over the "
+            f"{layout.train_dp} data-parallel training ranks (DPO trains whole pairs on each rank); fix: a "
+            f"multiple of {layout.train_dp}"
+        )
+    name = token_budget_section(p)
+    if name is None:
+        return problems
+    round_to = p.dynamic_batching.sequence_length_round if name == "dynamic_batching" else 1
+    pair = 2 * round_up(p.max_total_sequence_length, round_to)
+    tokens = recipe_budget(p, name, "train").tokens
+    if tokens < pair:
+        problems.append(
+            f"policy.{name}.{budget_key('train')}={tokens} cannot hold a (chosen, rejected) pair of the "
+            f"longest sequences ({pair} tokens: twice policy.max_total_sequence_length="
+            f"{p.max_total_sequence_length}), and DPO trains a pair's two rows in one micro-batch; fix: "
+            f"policy.{name}.{budget_key('train')}={pair} or more"
+        )
     return problems
 
 

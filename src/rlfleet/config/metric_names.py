@@ -20,6 +20,9 @@ LOGGED_METRICS: dict[str, frozenset[str]] = {
         }
     ),
     "sft": frozenset({"val/accuracy", "val/reward", "val/mean_response_length", "train/loss"}),
+    # DPO validates a task's greedy accuracy (pairs from its own samples) or, on a preference dataset,
+    # the loss and pair accuracy over the validation pairs
+    "dpo": frozenset({"val/accuracy", "val/reward", "val/mean_response_length", "val/loss", "train/loss"}),
 }
 """Metrics each algorithm logs: the valid ``checkpointing.metric_name`` values (after normalisation)."""
 

@@ -15,14 +15,11 @@ from __future__ import annotations
 import difflib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-
-class Strict(BaseModel):
-    """Base for every config section: unknown keys are errors, assignments are validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+from rlfleet.config.env_models import JudgeEnvConfig, RewardModelEnvConfig
+from rlfleet.config.preference import DPOConfig
+from rlfleet.config.strict import Strict
 
 # --------------------------------------------------------------------------------------------- algorithms
 
@@ -416,7 +413,7 @@ class ArithmeticConfig(Strict):
     min_ops: int = Field(1, ge=1, description="Fewest arithmetic operations per problem.")
     max_ops: int = Field(2, ge=1, description="Most arithmetic operations per problem.")
     max_operand: int = Field(20, ge=2, description="Operands are drawn from [1, max_operand].")
-    operations: list[Literal["+", "-", "*"]] = ["+", "-"]
+    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"])
     seed: int = 1234
 
 
@@ -442,12 +439,20 @@ class DataConfig(Strict):
     ``question``/``answer`` keys, unless overridden) or ``ResponseDataset`` (NeMo RL's name: any hub id or
     local ``.json``/``.jsonl``/``.parquet`` file with an input and an output column). The gold answer of a
     row is extracted from its output: the number after ``####`` (commas removed), else the content of the
-    last ``\boxed{}``, else the whole output.
+    last ``\boxed{}``, else the whole output. ``PreferenceDataset`` and ``BinaryPreferenceDataset`` (NeMo
+    RL's names; DPO only) read preference pairs from the same kinds of sources
+    (:mod:`rlfleet.data.preferences`).
     """
 
-    dataset_name: Literal["arithmetic", "multiplication", "humaneval", "gsm8k", "ResponseDataset"] = (
-        "arithmetic"
-    )
+    dataset_name: Literal[
+        "arithmetic",
+        "multiplication",
+        "humaneval",
+        "gsm8k",
+        "ResponseDataset",
+        "PreferenceDataset",
+        "BinaryPreferenceDataset",
+    ] = "arithmetic"
     train_data_path: str | None = Field(None, description="Hub id or local file of the training rows.")
     val_data_path: str | None = Field(None, description="Hub id or local file of the validation rows.")
     train_split: str | None = Field(None, description="Split of a hub dataset (default: train).")
@@ -455,6 +460,9 @@ class DataConfig(Strict):
     subset: str | None = Field(None, description="Hub dataset configuration name (e.g. gsm8k's 'main').")
     input_key: str | None = Field(None, description="Column holding the question (default: question).")
     output_key: str | None = Field(None, description="Column holding the answer (default: answer).")
+    prompt_key: str = Field("prompt", description="BinaryPreferenceDataset: the prompt column (DPO).")
+    chosen_key: str = Field("chosen", description="BinaryPreferenceDataset: the preferred reply's column.")
+    rejected_key: str = Field("rejected", description="BinaryPreferenceDataset: the other reply's column.")
     prompt_file: str | None = Field(None, description="Template file with '{}' where the question goes.")
     system_prompt_file: str | None = Field(None, description="File holding the system message.")
     system_prompt: str | None = Field(None, description="System message (or use system_prompt_file).")
@@ -510,7 +518,7 @@ class CustomEnvConfig(Strict):
     cfg: dict[str, Any] = Field({}, description="Passed to the class's constructor.")
 
 
-BUILTIN_ENVIRONMENTS = ("math", "tools", "code")
+BUILTIN_ENVIRONMENTS = ("math", "tools", "code", "reward_model", "judge")
 """The environments rlfleet ships, each with its ``env.<name>`` section below (their classes:
 ``rlfleet.environments.builtin.BUILTIN``, which a unit test holds to these names)."""
 
@@ -524,6 +532,8 @@ class EnvConfig(Strict):
     math: MathEnvConfig = MathEnvConfig()
     tools: ToolsEnvConfig = ToolsEnvConfig()
     code: CodeEnvConfig = CodeEnvConfig()
+    reward_model: RewardModelEnvConfig = RewardModelEnvConfig()
+    judge: JudgeEnvConfig = JudgeEnvConfig()
 
     @model_validator(mode="after")
     def _custom_environments(self) -> EnvConfig:
@@ -630,6 +640,7 @@ class MasterConfig(Strict):
 
     grpo: GRPOConfig = GRPOConfig()
     sft: SFTConfig = SFTConfig()
+    dpo: DPOConfig = DPOConfig()
     loss_fn: LossConfig = LossConfig()
     policy: PolicyConfig = PolicyConfig()
     data: DataConfig = DataConfig()

@@ -120,10 +120,7 @@ def load_split(source: SplitSource, *, on_bad_row: Literal["error", "skip"]) -> 
         except _BadRow as bad:
             message = f"{raw.where}: {bad}"
             if on_bad_row == "error":
-                raise DataError(
-                    f"bad {source.name} row at {message}; fix or remove the row, or set "
-                    "data.on_bad_row=skip to skip bad rows (they are counted and logged)"
-                ) from None
+                raise bad_row_error(source.name, message) from None
             result.bad_rows += 1
             if len(result.bad_row_samples) < MAX_BAD_ROW_SAMPLES:
                 result.bad_row_samples.append(message)
@@ -135,7 +132,16 @@ def load_split(source: SplitSource, *, on_bad_row: Literal["error", "skip"]) -> 
     return result
 
 
-def _json_type(value: object) -> str:
+def bad_row_error(split_name: str, message: str) -> DataError:
+    """The error for a bad row under ``on_bad_row="error"``; ``message`` is ``"file:line: problem"``."""
+    return DataError(
+        f"bad {split_name} row at {message}; fix or remove the row, or set "
+        "data.on_bad_row=skip to skip bad rows (they are counted and logged)"
+    )
+
+
+def json_type(value: object) -> str:
+    """The JSON name of ``value``'s type (``object``, ``array``, ``string``...), for row messages."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -159,7 +165,7 @@ def _parse_row(value: object, input_key: str, output_key: str) -> Example:
         _BadRow: Not an object, a missing key, an empty or non-text question, or no extractable gold.
     """
     if not isinstance(value, Mapping):
-        raise _BadRow(f"the row is a JSON {_json_type(value)}, not an object")
+        raise _BadRow(f"the row is a JSON {json_type(value)}, not an object")
     missing = [key for key in (input_key, output_key) if key not in value]
     if missing:
         raise _BadRow(
@@ -168,14 +174,14 @@ def _parse_row(value: object, input_key: str, output_key: str) -> Example:
         )
     question = value[input_key]
     if not isinstance(question, str):
-        raise _BadRow(f"the question {input_key!r} is a JSON {_json_type(question)}, not text")
+        raise _BadRow(f"the question {input_key!r} is a JSON {json_type(question)}, not text")
     if not question.strip():
         raise _BadRow(f"empty question in {input_key!r}")
     output = value[output_key]
     if isinstance(output, int | float) and not isinstance(output, bool):
         output = str(output)
     if not isinstance(output, str):
-        raise _BadRow(f"the output {output_key!r} is a JSON {_json_type(output)}, not text")
+        raise _BadRow(f"the output {output_key!r} is a JSON {json_type(output)}, not text")
     if not output.strip():
         raise _BadRow(f"empty output in {output_key!r}")
     try:

@@ -1,5 +1,6 @@
 """Environments the model acts in (NeMo RL's :class:`EnvironmentInterface`): ``math``, ``tools`` (calculator
-and Python sandbox) and ``code`` (HumanEval), their runners, a Python sandbox and the tool-call parser.
+and Python sandbox), ``code`` (HumanEval), ``reward_model`` (a reward model's score) and ``judge`` (an LLM's
+graded verdict), their runners, a Python sandbox and the tool-call parser.
 
 :func:`run_python` runs untrusted code in a separate, limited, isolated process (``sandbox``);
 :func:`parse_tool_calls` reads ``<tool_call>`` blocks and :func:`call_tool` runs them with the ``calculator``
@@ -19,6 +20,8 @@ from rlfleet.environments.code import (
     score_completion,
 )
 from rlfleet.environments.interface import EnvironmentInterface, EnvironmentReturn, StepOutcome
+from rlfleet.environments.judge import JudgeEnvironment
+from rlfleet.environments.reward_model import RewardModelEnvironment
 from rlfleet.environments.runner import EnvironmentLoadError, build_environment, environment_class
 from rlfleet.environments.sandbox import Isolation, SandboxError, SandboxLimits, SandboxResult, run_python
 from rlfleet.environments.tools import (
@@ -43,7 +46,9 @@ __all__ = [
     "EnvironmentReturn",
     "HumanEvalError",
     "Isolation",
+    "JudgeEnvironment",
     "MathEnvironment",
+    "RewardModelEnvironment",
     "SandboxError",
     "SandboxLimits",
     "SandboxResult",

@@ -1,5 +1,6 @@
-"""The environments rlfleet ships: ``math`` (single turn), ``tools`` (calculator and Python, multi-turn) and
-``code`` (HumanEval-style tests in the sandbox).
+"""The environments rlfleet ships: ``math`` (single turn), ``tools`` (calculator and Python, multi-turn),
+``code`` (HumanEval-style tests in the sandbox), and two that score with a model, ``reward_model`` and
+``judge`` (their own modules).
 
 Each reads what it needs from an episode's metadata: ``ground_truth`` (the gold answer) for ``math`` and
 ``tools``, ``problem`` (a :class:`~rlfleet.environments.code.CodeProblem`) for ``code``.
@@ -16,6 +17,8 @@ import torch
 from rlfleet.config.schema import BUILTIN_ENVIRONMENTS
 from rlfleet.environments.code import CodeProblem, run_tests
 from rlfleet.environments.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
+from rlfleet.environments.judge import JudgeEnvironment
+from rlfleet.environments.reward_model import RewardModelEnvironment
 from rlfleet.environments.sandbox import SandboxLimits
 from rlfleet.environments.tools import (
     TOOL_CALL_CLOSE,
@@ -217,6 +220,8 @@ BUILTIN: dict[str, type[EnvironmentInterface[Any]]] = {
     "math": MathEnvironment,
     "tools": ToolEnvironment,
     "code": CodeEnvironment,
+    "reward_model": RewardModelEnvironment,
+    "judge": JudgeEnvironment,
 }
 """The environments a recipe may name without an import path (``env.<name>`` with these names)."""
 assert tuple(BUILTIN) == BUILTIN_ENVIRONMENTS, "BUILTIN follows rlfleet.config.schema.BUILTIN_ENVIRONMENTS"

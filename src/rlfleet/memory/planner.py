@@ -56,7 +56,7 @@ REFUSAL_SHARE = 0.9
 # exact; a user who knows better may try)
 SKIP_ENV = "RLFLEET_MEMORY_CHECK"
 # the passes each algorithm runs (SFT has no logprob pass)
-ALGORITHM_PASSES: dict[Algorithm, tuple[Pass, ...]] = {"grpo": PASSES, "sft": ("train",)}
+ALGORITHM_PASSES: dict[Algorithm, tuple[Pass, ...]] = {"grpo": PASSES, "sft": ("train",), "dpo": PASSES}
 
 
 @dataclass(frozen=True)
@@ -245,11 +245,10 @@ def model_state(
     sharded = uses_ray(cfg, layout=layout)
     world = layout.train_world if sharded else 1
     layers = cfg.policy.architecture.num_hidden_layers if cfg.policy.architecture else 1
-    reference = (
-        algorithm == "grpo"
-        and cfg.loss_fn.reference_policy_kl_penalty > 0
-        and not cfg.policy.dtensor_cfg.lora_cfg.enabled
+    keeps_reference = algorithm == "dpo" or (
+        algorithm == "grpo" and cfg.loss_fn.reference_policy_kl_penalty > 0
     )
+    reference = keeps_reference and not cfg.policy.dtensor_cfg.lora_cfg.enabled
     if compute == 4:
         copies = 0.0
     elif sharded:  # FSDP2 all-gathers one layer in the compute dtype, and prefetches the next

@@ -19,6 +19,7 @@ from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.checks import Algorithm, layout_problems, unsupported_settings
 from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.layout import ResourceLayout, resource_layout
+from rlfleet.config.preference import PREFERENCE_DATASETS
 from rlfleet.config.resolved import policy_precision
 from rlfleet.config.schema import MasterConfig
 from rlfleet.memory.allocator import find_jemalloc, how_to_get_jemalloc
@@ -52,7 +53,7 @@ class Plan:
     gen_engine: str | None  # the vLLM engine's settings in one line; None with the HF backend
     batching: ResolvedBatching  # the token budgets the run would use on this machine, with why
     optimizer_state_bytes: int  # per trained parameter (AdamW: m and v in float32)
-    algorithm: Algorithm = "grpo"  # what the plan is for (the recipe's name says: sft-... or grpo-...)
+    algorithm: Algorithm = "grpo"  # what the plan is for (the recipe's name says: grpo-, sft- or dpo-...)
 
     def training_memory_gib(self) -> dict[str, float]:
         if self.parameters is None:
@@ -128,7 +129,7 @@ def _gpus(cfg: MasterConfig, nodes: int, per_node: int) -> str:
 
 
 def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
-    lay, p, g = plan.layout, cfg.policy, cfg.grpo
+    lay, p = plan.layout, cfg.policy
     where = (
         "colocated with training"
         if lay.colocated
@@ -143,15 +144,7 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
             "training",
             f"{_gpus(cfg, lay.train_nodes, lay.train_gpus_per_node)}: TP {lay.train_tp} x DP {lay.train_dp}",
         ),
-        (
-            "samples per step",
-            f"{g.num_prompts_per_step} x {g.num_generations_per_prompt} = {plan.samples_per_step:,}",
-        ),
-        (
-            "optimizer steps",
-            f"{plan.optimizer_steps_per_step} per step (global batch {p.train_global_batch_size})",
-        ),
-        ("per update", _micro_batches(cfg, plan)),
+        *_step_rows(cfg, plan),
         (
             "sequence budget",
             f"{p.max_total_sequence_length} tokens, max_new_tokens {p.generation.max_new_tokens}",
@@ -160,17 +153,55 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
     ]
 
 
-def _micro_batches(cfg: MasterConfig, plan: Plan) -> str:
+def _step_rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
+    """What one step of ``plan.algorithm`` draws and how its optimizer steps split it."""
+    p, g = cfg.policy, cfg.grpo
+    if plan.algorithm == "grpo":
+        return [
+            (
+                "samples per step",
+                f"{g.num_prompts_per_step} x {g.num_generations_per_prompt} = {plan.samples_per_step:,}",
+            ),
+            (
+                "optimizer steps",
+                f"{plan.optimizer_steps_per_step} per step (global batch {p.train_global_batch_size})",
+            ),
+            ("per update", _micro_batches(cfg, plan)),
+        ]
+    if plan.algorithm == "sft":
+        return [
+            ("examples per step", f"{p.train_global_batch_size} (one optimizer step)"),
+            ("per update", _micro_batches(cfg, plan)),
+        ]
+    sampled = cfg.dpo.sampled_pairs
+    source = (
+        f"the dataset ({cfg.data.dataset_name})"
+        if cfg.data.dataset_name in PREFERENCE_DATASETS
+        else f"the model's own samples: {sampled.num_generations_per_prompt} per prompt, best vs worst, up "
+        f"to {sampled.max_rounds} round(s) of {p.train_global_batch_size} prompts"
+    )
+    return [
+        (
+            "pairs per step",
+            f"{p.train_global_batch_size} = {2 * p.train_global_batch_size} rows (chosen, rejected), one "
+            "optimizer step",
+        ),
+        ("pairs from", source),
+        ("per update", _micro_batches(cfg, plan, unit="pair")),
+    ]
+
+
+def _micro_batches(cfg: MasterConfig, plan: Plan, unit: str = "row") -> str:
     p, dp = cfg.policy, plan.layout.train_dp
     if plan.batching.section is not None:
         rows = -(-p.train_global_batch_size // dp)
         return (
-            f"{rows} row(s) per optimizer step per rank (DP {dp}), split by the token budgets below "
+            f"{rows} {unit}(s) per optimizer step per rank (DP {dp}), split by the token budgets below "
             "(train_micro_batch_size and logprob_batch_size are not used)"
         )
     return (
-        f"{plan.micro_batches_per_optimizer_step} micro-batch(es) of {p.train_micro_batch_size} row(s) per "
-        f"optimizer step per rank (DP {dp})"
+        f"{plan.micro_batches_per_optimizer_step} micro-batch(es) of {p.train_micro_batch_size} {unit}(s) "
+        f"per optimizer step per rank (DP {dp})"
     )
 
 

@@ -28,9 +28,11 @@ from rlfleet.policy.loss_math import (
     aggregate,
     aggregate_max_length,
     clipped_pg_loss,
+    dpo_preference_loss,
     gspo_loss,
     kl_estimate,
     kl_gradient_weights,
+    sequence_sums,
 )
 
 
@@ -41,7 +43,7 @@ def trained_mask(mask: torch.Tensor, inert: torch.Tensor | None) -> torch.Tensor
 
 def _required(value: torch.Tensor | None, name: str) -> torch.Tensor:
     if value is None:
-        raise ValueError(f"the clipped policy-gradient loss needs batch.{name}; compute it before training")
+        raise ValueError(f"this loss needs batch.{name}; compute it before training")
     return value
 
 
@@ -218,3 +220,49 @@ class NLLLossFn:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         loss = aggregate(-logprobs, mb.response_mask, norm, self.token_level)
         return loss, {"loss": float(loss.detach())}
+
+
+@dataclass(frozen=True)
+class DPOLossFn:
+    """DPO (NeMo RL's ``DPOLossFn``): ``w_pref * mean(-log sigmoid(beta * (r_chosen - r_rejected)))``
+    ``+ w_sft * mean(NLL(chosen))``, the means over the global batch's pairs.
+
+    ``r`` is the sum over response tokens of ``logp - ref_logp`` (the mean with
+    ``preference_average_log_probs``); the SFT term is the chosen response's summed negative logprob (its
+    mean with ``sft_average_log_probs``). Rows ``2i`` and ``2i + 1`` of a micro-batch are a pair's chosen
+    and rejected responses: the trainer plans its micro-batches in pairs (``MicroBatching.pairs``).
+
+    Metrics, NeMo RL's: ``loss``, ``sft_loss``, ``preference_loss``, ``accuracy`` (pairs whose chosen
+    reward is higher), ``rewards_chosen_mean``, ``rewards_rejected_mean`` (``r``, without beta) and
+    ``num_valid_samples`` (pairs).
+    """
+
+    reference_policy_kl_penalty: float = 0.05  # beta
+    preference_loss_weight: float = 1.0
+    sft_loss_weight: float = 0.0
+    preference_average_log_probs: bool = False
+    sft_average_log_probs: bool = False
+
+    def __call__(
+        self, logprobs: torch.Tensor, mb: TrainBatch, norm: Normalizer
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        if len(mb) % 2:
+            raise ValueError(f"a DPO micro-batch holds whole (chosen, rejected) pairs, got {len(mb)} rows")
+        mask, pairs = mb.response_mask, max(norm.num_sequences / 2, 1.0)
+        ref = _required(mb.ref_logprobs, "ref_logprobs")
+        rewards = sequence_sums(logprobs - ref, mask, average=self.preference_average_log_probs)
+        chosen, rejected = rewards[0::2], rewards[1::2]
+        preference = dpo_preference_loss(chosen, rejected, self.reference_policy_kl_penalty).sum() / pairs
+        sft = sequence_sums(-logprobs[0::2], mask[0::2], average=self.sft_average_log_probs).sum() / pairs
+        loss = self.preference_loss_weight * preference + self.sft_loss_weight * sft
+        with torch.no_grad():
+            metrics = {
+                "loss": float(loss.detach()),
+                "sft_loss": float(sft),
+                "preference_loss": float(preference),
+                "accuracy": float((chosen > rejected).float().sum() / pairs),
+                "rewards_chosen_mean": float(chosen.sum() / pairs),
+                "rewards_rejected_mean": float(rejected.sum() / pairs),
+                "num_valid_samples": len(mb) / 2,
+            }
+        return loss, metrics

@@ -25,6 +25,9 @@ Variants (chosen by config at the edge, in :mod:`rlfleet.policy.loss_functions`)
   mean of the token ratios), clipped like the token ratio (:func:`gspo_loss`).
 - Dr.GRPO (Liu et al. 2025): each sequence's token losses are summed and divided by a constant length
   instead of the sequence's own length (:func:`aggregate_max_length`), removing the length bias.
+
+DPO (Rafailov et al. 2023) compares two responses to a prompt through their implicit rewards
+``r = sum_t (logp - ref_logp)`` (:func:`sequence_sums`, :func:`dpo_preference_loss`).
 """
 
 from __future__ import annotations
@@ -244,3 +247,16 @@ def aggregate_max_length(
     Summed over the micro-batches of a step it equals the whole batch's value.
     """
     return masked_sum(per_token, mask) / (max(norm.num_sequences, 1.0) * max_length)
+
+
+def sequence_sums(per_token: torch.Tensor, mask: torch.Tensor, *, average: bool) -> torch.Tensor:
+    """``[B]`` each row's sum of ``per_token`` over ``mask`` (its mean over the masked tokens with
+    ``average``; a row without masked tokens gives 0)."""
+    sums = (per_token * mask).sum(dim=1)
+    return sums / mask.sum(dim=1).clamp(min=1.0) if average else sums
+
+
+def dpo_preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, beta: float) -> torch.Tensor:
+    """``[P]`` DPO's per-pair loss ``-log sigmoid(beta * (r_chosen - r_rejected))`` (``ln 2`` at equal
+    rewards), from the pairs' implicit rewards ``r = log pi/pi_ref`` of each response."""
+    return -torch.nn.functional.logsigmoid(beta * (chosen - rejected))

@@ -10,6 +10,11 @@ Three ways to split the rows of a pass (``MicroBatching``):
   ``tokens`` tokens; each bin is one packed row whose sequences restart their ``position_ids`` at 0, so
   the model's attention is block-diagonal causal (NeMo RL's ``policy.sequence_packing``).
 
+With ``pairs`` (DPO's chosen and rejected responses, rows ``2i`` and ``2i + 1``) each pair is planned as one
+unit, so both rows of a pair go through the model in the same micro-batch, on the same rank, side by side
+(a loss that compares them sees both): ``rows`` counts rows (two per pair), and a pair is two rows of its
+longer length under dynamic batching, and its two lengths' sum when packed.
+
 The model sees the compact layout; the logprobs are scattered back to the padded ``[n, T]`` rows of the
 micro-batch before the loss, so loss functions, the global ``Normalizer`` and the restored row order are the
 same whatever the layout, and so are the loss and the gradients (up to float rounding).
@@ -21,7 +26,7 @@ all ranks agree on the number of forward passes (FSDP needs them equal) without 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -53,6 +58,7 @@ class MicroBatching:
         algorithm: How rows are bin-packed when ``pack``.
         logprob_chunk: Tokens per chunk of the logprob computation from the final hidden states (no
             ``[tokens x vocabulary]`` logits; ``policy.logprob_chunk_size``), or None for whole logits.
+        pairs: Rows ``2i`` and ``2i + 1`` stay together, in that order (DPO's chosen and rejected).
     """
 
     rows: int
@@ -61,6 +67,7 @@ class MicroBatching:
     round_to: int = 1
     algorithm: PackingAlgorithm = "first_fit_decreasing"
     logprob_chunk: int | None = None
+    pairs: bool = False
 
     def __post_init__(self) -> None:
         optional = (self.tokens, self.logprob_chunk)
@@ -68,6 +75,8 @@ class MicroBatching:
             raise ValueError(f"micro-batching needs positive sizes, got {self}")
         if self.pack and self.tokens is None:
             raise ValueError("sequence packing needs a token budget (MicroBatching.tokens)")
+        if self.pairs and self.tokens is None and self.rows < 2:
+            raise ValueError(f"a micro-batch of pairs needs at least 2 rows, got {self.rows}")
 
     @property
     def name(self) -> str:
@@ -212,6 +221,8 @@ def plan_micro_batches(
     ``[s * n, (s + 1) * n)`` with ``n = len(lengths) // num_shards``. Every shard gets the same number of
     micro-batches (its largest ones split where needed), so data-parallel ranks run equal forward passes.
     """
+    if batching.pairs:
+        return plan_pairs(lengths, batching, num_shards)
     if len(lengths) % num_shards:
         raise ValueError(f"{len(lengths)} rows do not split evenly over {num_shards} shards")
     _check_fits(lengths, batching)
@@ -229,6 +240,36 @@ def plan_micro_batches(
     return [split_to_count(p, count) for p in plans]
 
 
+def plan_pairs(lengths: Sequence[int], batching: MicroBatching, num_shards: int = 1) -> list[list[list[int]]]:
+    """``plan_micro_batches`` with rows ``2i`` and ``2i + 1`` kept together (``batching.pairs``).
+
+    The pairs are planned as units (fixed rows: ``rows // 2`` pairs; dynamic batching: two rows of the
+    pair's longer length, so half the token budget per row slot; packing: the pair's summed length), then
+    each pair becomes its two rows, in order."""
+    if len(lengths) % (2 * num_shards):
+        raise ValueError(
+            f"{len(lengths)} rows are not whole (chosen, rejected) pairs on each of {num_shards} shard(s)"
+        )
+    pair = [(lengths[i], lengths[i + 1]) for i in range(0, len(lengths), 2)]
+    if batching.pack:
+        units, tokens = [a + b for a, b in pair], batching.tokens
+    else:
+        units = [max(a, b) for a, b in pair]
+        tokens = None if batching.tokens is None else batching.tokens // 2
+    need = max(units) if batching.pack else 2 * round_up(max(units), batching.round_to)
+    if batching.tokens is not None and need > batching.tokens:
+        raise ValueError(
+            f"a (chosen, rejected) pair needs {need} tokens in one micro-batch, over the token budget of "
+            f"{batching.tokens} ({batching.name}); fix: raise policy.dynamic_batching / "
+            "policy.sequence_packing train_mb_tokens to at least twice policy.max_total_sequence_length"
+        )
+    unit_batching = replace(batching, pairs=False, rows=max(1, batching.rows // 2), tokens=tokens)
+    return [
+        [[row for p in group for row in (2 * p, 2 * p + 1)] for group in shard]
+        for shard in plan_micro_batches(units, unit_batching, num_shards)
+    ]
+
+
 def plan_trained_micro_batches(
     lengths: Sequence[int], trained: Sequence[bool], batching: MicroBatching, num_shards: int = 1
 ) -> list[list[list[int]]]:
@@ -242,6 +283,10 @@ def plan_trained_micro_batches(
     """
     if len(lengths) % num_shards or len(trained) != len(lengths):
         raise ValueError(f"{len(lengths)} rows ({len(trained)} marks) do not split over {num_shards} shards")
+    if batching.pairs:
+        if not all(trained):
+            raise ValueError("rows planned in pairs are all trained (no row of a pair may be skipped)")
+        return plan_pairs(lengths, batching, num_shards)
     share = len(lengths) // num_shards
     mine = [[i for i in range(share) if trained[s * share + i]] for s in range(num_shards)]
 

@@ -3,11 +3,13 @@
 Every run rolls out episodes (:mod:`rlfleet.rollouts.episodes`) with the environments its rows use: the
 default one (``data.env_name``, ``math`` unless set) and those rows name (``task_name``). A single-turn math
 task is a one-turn episode of ``math``, scored in ``env.math.num_workers`` worker processes (Ray actors on
-Ray), each step within ``env.math.timeout_s``.
+Ray), each step within ``env.math.timeout_s``. The environments that score with a model (``reward_model``,
+``judge``) step in the trainer, a step's conversations in one batch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlfleet.config import MasterConfig
 from rlfleet.config.capabilities import uses_ray
+from rlfleet.config.env_models import JudgeEnvConfig, RewardModelEnvConfig
 from rlfleet.config.layout import ResourceLayout
 from rlfleet.data import Example
 from rlfleet.environments.builtin import BUILTIN
@@ -62,6 +65,10 @@ def environment_settings(cfg: MasterConfig, name: str) -> tuple[str, dict[str, A
             "wall_seconds": c.wall_seconds,
         }
         return "code", settings, c.num_workers, c.timeout_s
+    if name == "reward_model":  # in the trainer, one batch per step: no workers, no per-item bound
+        return "reward_model", _reward_model_settings(env.reward_model), 0, math.inf
+    if name == "judge":  # in the trainer; a server request is bounded by env.judge.timeout_s itself
+        return "judge", _judge_settings(env.judge), 0, env.judge.timeout_s
     custom = env.custom()
     if name not in custom:
         known = sorted([*BUILTIN, *custom])
@@ -72,6 +79,30 @@ def environment_settings(cfg: MasterConfig, name: str) -> tuple[str, dict[str, A
         )
     entry = custom[name]
     return entry.environment, dict(entry.cfg), entry.num_workers, entry.timeout_s
+
+
+def _reward_model_settings(rm: RewardModelEnvConfig) -> dict[str, Any]:
+    return {
+        "model_name": rm.model_name,
+        "tokenizer": {"name": rm.tokenizer.name},
+        "precision": rm.precision,
+        "batch_size": rm.batch_size,
+        "max_model_len": rm.max_model_len,
+    }
+
+
+def _judge_settings(judge: JudgeEnvConfig) -> dict[str, Any]:
+    return {
+        "model_name": judge.model_name,
+        "base_url": judge.base_url,
+        "api_key_env": judge.api_key_env,
+        "rubric": judge.rubric,
+        "score_pattern": judge.score_pattern,
+        "max_score": judge.max_score,
+        "max_new_tokens": judge.max_new_tokens,
+        "batch_size": judge.batch_size,
+        "timeout_s": judge.timeout_s,
+    }
 
 
 def environment_names(cfg: MasterConfig, examples: Iterable[Example]) -> list[str]:

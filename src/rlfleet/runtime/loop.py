@@ -29,6 +29,7 @@ from rlfleet.rollouts.environments import (
     start_runners,
 )
 from rlfleet.rollouts.episodes import EpisodeRunner
+from rlfleet.rollouts.pairs import PairSource
 from rlfleet.runtime.components import TaskData, build_policy, load_prompts
 
 log = logging.getLogger("rlfleet")
@@ -110,14 +111,20 @@ def start_run(
     batch_size: int,
     max_num_steps: int,
     max_num_epochs: int,
+    pairs: PairSource | None = None,
 ) -> tuple[RunContext, GenerationBackend, TaskData]:
     """Starts a loop's components (environments, policy and generation, data, context) and resumes.
+
+    The loader draws the task's prompts, or with ``pairs`` from a preference dataset (DPO) its pairs,
+    tokenised once the policy's tokenizer is loaded (their rows were read and checked before).
 
     When any step fails, whatever was already started (Ray actors, environment worker processes, loggers)
     is released before the error propagates; once this returns, the context owns it all and
     :func:`run_loop` releases it at the end.
     """
-    examples = load_task(cfg.data)  # every data row checked before anything expensive starts
+    task = pairs is None or pairs.sampled
+    # every data row checked before anything expensive starts (a pair source read its own already)
+    examples = load_task(cfg.data) if task else ([], [])
     with ExitStack() as started:
         # every environment class is built once here: a bad one fails before any model loads
         environments = load_environments(cfg, [*examples[0], *examples[1]])
@@ -130,11 +137,12 @@ def start_run(
         )
         system_prompt = resolve_system_prompt(cfg.data)
         episodes = build_episode_runner(cfg, backend, policy.tokenizer, runners, system_prompt)
+        items = data.train if pairs is None or pairs.sampled else pairs.tokenize(policy.tokenizer, cfg)
         ctx = make_context(
             cfg,
             policy,
             episodes,
-            data.train,
+            items,
             batch_size,
             seed=seed,
             max_num_steps=max_num_steps,

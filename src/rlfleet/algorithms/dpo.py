@@ -1,0 +1,198 @@
+"""DPO: direct preference optimisation (Rafailov et al. 2023) with NeMo RL's keys and loss (``dpo.*``).
+
+A step is: pairs (``P`` = ``policy.train_global_batch_size`` (prompt, chosen, rejected) triples) -> the
+batch (chosen and rejected interleaved, rows ``2i`` and ``2i + 1``) -> the reference policy's logprobs ->
+one optimizer step on ``DPOLossFn`` (:mod:`rlfleet.policy.loss_functions`), micro-batched in pairs -> refit
+the generation weights. The run around it validates, checkpoints and logs (:mod:`rlfleet.runtime.loop`).
+
+Where the pairs come from (:mod:`rlfleet.rollouts.pairs`):
+
+* **a task** (``data.dataset_name`` arithmetic, gsm8k, a ``ResponseDataset``...): the model's own samples.
+  Each prompt gets ``dpo.sampled_pairs.num_generations_per_prompt`` responses from the current policy,
+  scored by the row's environment; a prompt whose responses differ in reward gives its best as chosen and
+  its worst as rejected (online DPO: no preference data needed). Rounds of prompts are drawn until the step
+  has ``P`` pairs or ``dpo.sampled_pairs.max_rounds`` rounds ran; a step with fewer trains on what it has.
+  Validation is the task's greedy accuracy, as for SFT and GRPO.
+* **a preference dataset** (``PreferenceDataset``, ``BinaryPreferenceDataset``): its pairs, in order; the
+  validation is the DPO loss and pair accuracy on ``dpo.val_batches`` x ``dpo.val_global_batch_size`` pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from rlfleet.config import MasterConfig, check_config, ensure_runnable
+from rlfleet.config.layout import resource_layout
+from rlfleet.config.preference import DPOConfig
+from rlfleet.generation import GenerationBackend, SamplingParams
+from rlfleet.memory.planner import ensure_fits, resolve_batching
+from rlfleet.policy.batch import TrainBatch
+from rlfleet.policy.loss_functions import DPOLossFn
+from rlfleet.policy.loss_math import Normalizer
+from rlfleet.rollouts.collect import GroupCollector
+from rlfleet.rollouts.evaluate import evaluate
+from rlfleet.rollouts.pairs import PairSource, TokenPair, pair_batch, pairs_from_groups
+from rlfleet.rollouts.rollout import accuracy
+from rlfleet.runtime.components import micro_batching
+from rlfleet.runtime.loop import RunContext, closing_run, run_loop, start_run, step_seed
+from rlfleet.utils.timing import PhaseTimer
+
+
+def dpo_loss_fn(dpo: DPOConfig) -> DPOLossFn:
+    return DPOLossFn(
+        reference_policy_kl_penalty=dpo.reference_policy_kl_penalty,
+        preference_loss_weight=dpo.preference_loss_weight,
+        sft_loss_weight=dpo.sft_loss_weight,
+        preference_average_log_probs=dpo.preference_average_log_probs,
+        sft_average_log_probs=dpo.sft_average_log_probs,
+    )
+
+
+def whole_batch(batch: TrainBatch) -> Normalizer:
+    """The normaliser of ``batch`` taken as one global batch (validation's loss over all its pairs)."""
+    return Normalizer(float(batch.response_mask.sum()), float(len(batch)))
+
+
+class DPO:
+    """The DPO trainer: ``DPO(cfg).train()`` runs (or resumes) the configured job."""
+
+    backend: GenerationBackend
+    ctx: RunContext  # the policy and its frozen reference, the episodes, the loader, logger and checkpoints
+
+    def __init__(self, cfg: MasterConfig) -> None:
+        layout = resource_layout(cfg)  # computed once for the checks and the run
+        check_config(cfg, "dpo", layout=layout)
+        ensure_runnable(cfg, layout=layout)
+        batching = resolve_batching(cfg, layout, "dpo")  # token budgets: the recipe's, or fitted here
+        ensure_fits(cfg, layout, batching, "dpo")  # before any model is loaded
+        self.cfg, dpo = cfg, cfg.dpo
+        self.loss_fn = dpo_loss_fn(dpo)
+        train = micro_batching(cfg, "train", batching)  # policy.train_micro_batch_size counts pairs
+        self.train_batching = replace(train, rows=2 * train.rows, pairs=True)
+        self.logprob_batching = micro_batching(cfg, "logprob", batching)
+        self.data_parallel = layout.train_dp
+        self.source = PairSource.of(cfg.data)
+        self.ctx, self.backend, self.data = start_run(
+            cfg,
+            layout,
+            seed=dpo.seed,
+            keep_reference=True,
+            max_val_samples=dpo.max_val_samples,
+            batch_size=cfg.policy.train_global_batch_size,
+            max_num_steps=dpo.max_num_steps,
+            max_num_epochs=dpo.max_num_epochs,
+            pairs=self.source,
+        )
+        self.val_pairs: list[TokenPair] = []
+        if not self.source.sampled:
+            try:
+                val = self.source.tokenize(self.ctx.policy.tokenizer, cfg, val=True)
+            except BaseException:
+                with closing_run(self.ctx):  # releases what start_run started, then re-raises
+                    raise
+            self.val_pairs = val[: dpo.val_batches * dpo.val_global_batch_size]
+        generation, sampled = cfg.policy.generation, dpo.sampled_pairs
+        self.sampling = SamplingParams(
+            generation.max_new_tokens, generation.temperature, generation.top_p, generation.top_k
+        )
+        self.collect = GroupCollector(
+            self.ctx.episodes,
+            self.ctx.loader,
+            self.sampling,
+            sampled.num_generations_per_prompt,
+            self._round_seed,
+            (cfg.policy.train_global_batch_size, sampled.max_rounds),
+        )
+
+    def _round_seed(self, step: int, round_index: int) -> int:
+        return step_seed(self.cfg.dpo.seed, step, salt=0 if round_index == 0 else 1 + round_index)
+
+    def step(self) -> dict[str, float]:
+        """pairs -> batch -> reference logprobs -> one optimizer step -> refit."""
+        timer = PhaseTimer()
+        pairs, metrics = self._pairs()
+        pairs = pairs[: len(pairs) - len(pairs) % self.data_parallel]  # whole pairs on every rank
+        if not pairs:
+            return {**metrics, "train/update_skipped": 1.0, "train/num_pairs": 0.0, **timer.metrics()}
+        policy = self.ctx.policy
+        batch = pair_batch(pairs, policy.tokenizer.pad_token_id)
+        with timer("logprobs"):
+            ref = policy.logprobs(batch, self.logprob_batching, reference=True)
+        with timer("training"):
+            train = policy.train(
+                batch.with_(ref_logprobs=ref),
+                self.loss_fn,
+                global_batch_size=len(batch),
+                micro_batching=self.train_batching,
+            )
+        metrics.update({f"train/{k}": v for k, v in train.items()})
+        metrics |= {
+            "train/update_skipped": 0.0,
+            "train/num_pairs": float(len(pairs)),
+            "train/num_tokens": int(batch.attention_mask.sum()),
+        }
+        if self.source.sampled:
+            with timer("refit"):
+                self.backend.refit()
+        return {**metrics, **timer.metrics()}
+
+    def _pairs(self) -> tuple[list[TokenPair], dict[str, float]]:
+        """This step's pairs: the dataset's next batch, or the best and worst of the model's own samples."""
+        if not self.source.sampled:
+            return list(self.ctx.loader.next_batch()), {}
+        collected = self.collect(self.ctx.step)
+        drawn = collected.drawn
+        metrics = {
+            "train/sample_reward": sum(r.reward for r in drawn) / max(len(drawn), 1),
+            "train/sample_accuracy": accuracy(drawn),
+            "train/sampled_rounds": float(collected.groups.rounds),
+        }
+        metrics.update({f"timing/{k}": v for k, v in collected.seconds.items()})
+        group = self.cfg.dpo.sampled_pairs.num_generations_per_prompt
+        return pairs_from_groups(collected.groups.samples, group), metrics
+
+    def validate(self) -> dict[str, float]:
+        if self.source.sampled:
+            params = SamplingParams(self.cfg.policy.generation.max_new_tokens, greedy=True)
+            seed = step_seed(self.cfg.dpo.seed, self.ctx.step, salt=1)
+            return evaluate(self.ctx.episodes, self.data.val, params, seed).metrics("val")
+        return self._validation_loss(self.val_pairs)
+
+    def _validation_loss(self, pairs: Sequence[TokenPair]) -> dict[str, float]:
+        """NeMo RL's DPO validation: the loss and its metrics over the validation pairs, no update."""
+        policy, dpo = self.ctx.policy, self.cfg.dpo
+        totals: dict[str, float] = {}
+        batches = [
+            pairs[i : i + dpo.val_global_batch_size] for i in range(0, len(pairs), dpo.val_global_batch_size)
+        ]
+        for chunk in batches:
+            batch = pair_batch(chunk, policy.tokenizer.pad_token_id)
+            rows = 2 * dpo.val_micro_batch_size
+            logprobs = policy.logprobs(batch, rows)
+            batch = batch.with_(ref_logprobs=policy.logprobs(batch, rows, reference=True))
+            with torch.no_grad():
+                _, metrics = self.loss_fn(logprobs, batch, whole_batch(batch))
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0.0) + value * len(chunk) / len(pairs)
+        totals["num_valid_samples"] = float(len(pairs))
+        return {f"val/{key}": value for key, value in totals.items()}
+
+    def train(self) -> dict[str, float]:
+        dpo = self.cfg.dpo
+        return run_loop(
+            self.ctx,
+            "dpo",
+            self.step,
+            self.validate,
+            val_period=dpo.val_period,
+            val_at_start=dpo.val_at_start,
+            val_at_end=dpo.val_at_end,
+        )
+
+
+def dpo_train(cfg: MasterConfig) -> dict[str, float]:
+    """Runs (or resumes) DPO as configured; returns the last step's metrics."""
+    return DPO(cfg).train()

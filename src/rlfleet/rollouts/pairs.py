@@ -1,0 +1,160 @@
+"""Preference pairs, the unit DPO trains on: from the model's own scored samples, or from a dataset.
+
+A pair is a prompt's tokens and two responses' tokens, the chosen (preferred) one and the rejected one. The
+training batch interleaves them (rows ``2i`` chosen, ``2i + 1`` rejected), as NeMo RL's DPO does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from rlfleet.config.preference import PREFERENCE_DATASETS
+from rlfleet.config.schema import DataConfig, MasterConfig
+from rlfleet.data import resolve_system_prompt
+from rlfleet.data.errors import DataError
+from rlfleet.data.preferences import PreferenceExample, PreferenceKeys, load_preference_split, tokenize_pairs
+from rlfleet.data.response_dataset import resolve_sources
+from rlfleet.policy.batch import TrainBatch, collate
+from rlfleet.rollouts.rollout import Rollout
+
+log = logging.getLogger("rlfleet")
+
+
+@dataclass(frozen=True)
+class TokenPair:
+    """One preference pair in tokens.
+
+    Attributes:
+        prompt_ids: The prompt (chat template applied, generation prompt added).
+        chosen_ids: The preferred response's tokens (what the model is trained on, EOS included).
+        rejected_ids: The other response's tokens.
+        chosen_mask: 1 on the chosen response's tokens the model produced, 0 on an episode's observation
+            tokens; None: every token.
+        rejected_mask: The same for the rejected response.
+        where: Where the pair came from (``file:line``, or the sampled prompt), for messages.
+    """
+
+    prompt_ids: tuple[int, ...]
+    chosen_ids: tuple[int, ...]
+    rejected_ids: tuple[int, ...]
+    chosen_mask: tuple[int, ...] | None = None
+    rejected_mask: tuple[int, ...] | None = None
+    where: str = ""
+
+
+def best_and_worst(group: Sequence[Rollout]) -> tuple[Rollout, Rollout] | None:
+    """The group's highest-reward and lowest-reward rollouts (the first of each among ties), or None when
+    every reward is equal (no preference)."""
+    best = max(range(len(group)), key=lambda i: (group[i].reward, -i))
+    worst = min(range(len(group)), key=lambda i: (group[i].reward, i))
+    if group[best].reward == group[worst].reward:
+        return None
+    return group[best], group[worst]
+
+
+def pairs_from_groups(rollouts: Sequence[Rollout], group_size: int) -> list[TokenPair]:
+    """One pair per group of ``group_size`` contiguous rollouts whose rewards differ: its best response
+    chosen, its worst rejected, in the tokens the model sampled."""
+    if len(rollouts) % group_size:
+        raise ValueError(f"{len(rollouts)} rollouts do not split into groups of {group_size}")
+    pairs = []
+    for start in range(0, len(rollouts), group_size):
+        found = best_and_worst(rollouts[start : start + group_size])
+        if found is None:
+            continue
+        chosen, rejected = found
+        pairs.append(
+            TokenPair(
+                chosen.prompt.token_ids,
+                chosen.result.token_ids,
+                rejected.result.token_ids,
+                chosen.mask,
+                rejected.mask,
+                where=f"sampled for {chosen.prompt.example.question[:60]!r}",
+            )
+        )
+    return pairs
+
+
+def pair_batch(pairs: Sequence[TokenPair], pad_token_id: int) -> TrainBatch:
+    """The training batch of ``pairs``: rows ``2i`` (chosen) and ``2i + 1`` (rejected) of pair ``i``."""
+    prompts = [p.prompt_ids for p in pairs for _ in range(2)]
+    responses = [ids for p in pairs for ids in (p.chosen_ids, p.rejected_ids)]
+    masks = [mask for p in pairs for mask in (p.chosen_mask, p.rejected_mask)]
+    return collate(
+        prompts, responses, pad_token_id, response_masks=masks if any(m is not None for m in masks) else None
+    )
+
+
+@dataclass(frozen=True)
+class PairSource:
+    """Where a DPO run's pairs come from: the model's own samples (``sampled``: ``data`` is a task), or a
+    preference dataset, whose rows :meth:`of` reads and checks before anything expensive starts.
+
+    Attributes:
+        sampled: Pairs are sampled (no rows here).
+        train: The dataset's training rows.
+        val: Its validation rows.
+    """
+
+    sampled: bool
+    train: tuple[PreferenceExample, ...] = ()
+    val: tuple[PreferenceExample, ...] = ()
+
+    @classmethod
+    def of(cls, data: DataConfig) -> PairSource:
+        """The source ``data`` configures; a preference dataset's every row is read and checked here
+        (``data.on_bad_row``: a bad row stops with its ``file:line``, or is skipped and counted)."""
+        if data.dataset_name not in PREFERENCE_DATASETS:
+            return cls(sampled=True)
+        keys = PreferenceKeys(data.prompt_key, data.chosen_key, data.rejected_key)
+        splits = []
+        for source in resolve_sources(data):
+            examples, report = load_preference_split(
+                source.path,
+                split=source.split,
+                subset=source.subset,
+                keys=keys,
+                on_bad_row=data.on_bad_row,
+                name=source.name,
+            )
+            if report.total:
+                log.warning(
+                    "skipped %d bad %s preference rows (data.on_bad_row=skip): %s; first: %s",
+                    report.total,
+                    source.name,
+                    ", ".join(f"{k}={n}" for k, n in report.by_reason.items() if n),
+                    "; ".join(report.samples),
+                )
+            splits.append(tuple(examples))
+        return cls(sampled=False, train=splits[0], val=splits[1])
+
+    def tokenize(
+        self, tokenizer: PreTrainedTokenizerBase, cfg: MasterConfig, *, val: bool = False
+    ) -> list[TokenPair]:
+        """The training (or validation) rows as token pairs; pairs over ``policy.max_total_sequence_length``
+        or tokenising the same are dropped and counted in the log, and a split left empty is an error."""
+        name, examples = ("val", self.val) if val else ("train", self.train)
+        pairs, dropped = tokenize_pairs(
+            examples,
+            tokenizer,
+            max_total_length=cfg.policy.max_total_sequence_length,
+            system_prompt=resolve_system_prompt(cfg.data),
+        )
+        if any(dropped.values()):
+            log.warning(
+                "dropped %s %s preference pairs: %s",
+                sum(dropped.values()),
+                name,
+                ", ".join(f"{k}={n}" for k, n in dropped.items() if n),
+            )
+        if not pairs:
+            raise DataError(
+                f"no {name} preference pair is left of {len(examples)} row(s) once tokenised (dropped: "
+                f"{dropped}); fix: raise policy.max_total_sequence_length or check the data"
+            )
+        return [TokenPair(p.prompt_ids, p.chosen_ids, p.rejected_ids, where=p.where) for p in pairs]
