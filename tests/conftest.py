@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import AutoModelForSequenceClassification, LlamaConfig, PreTrainedTokenizerBase
 
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.data import load_task, render_prompt
@@ -131,6 +132,30 @@ def tiny_tp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_tiny_model(
         tmp_path_factory.mktemp("tiny_tp") / "model", _arithmetic_corpus(), TP_TEST_SPEC, seed=0
     )
+
+
+def save_tiny_reward_model(
+    out_dir: Path, tokenizer: PreTrainedTokenizerBase, num_labels: int = 1, seed: int = 0
+) -> Path:
+    """A randomly initialised two-layer Llama sequence classifier for ``tokenizer``, saved with it."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    config.num_labels = num_labels  # the classifier head's width (1: a scalar reward)
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
 
 
 def small_grpo_overrides(model_dir: Path, run_dir: Path) -> list[str]:

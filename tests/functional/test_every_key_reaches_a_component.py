@@ -16,14 +16,17 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+import rlfleet.algorithms.dpo as dpo_module
 import rlfleet.algorithms.grpo as grpo_module
 import rlfleet.algorithms.sft as sft_module
+from rlfleet.algorithms.dpo import DPO
 from rlfleet.algorithms.evaluation import run_eval
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.algorithms.sft import SFT
 from rlfleet.config import MasterConfig, check_config, load_recipe, resolve_recipe_path, schema_keys
 from rlfleet.memory.report import make_plan
-from tests.conftest import small_grpo_config
+from tests.conftest import save_tiny_reward_model, small_grpo_config
+from tests.functional.test_dpo import small_dpo_config
 
 DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"
 
@@ -56,6 +59,7 @@ def _unwrap_check(cfg: Any, algorithm: str, **kwargs: Any) -> None:
 def recorded(monkeypatch) -> set[str]:
     monkeypatch.setattr(grpo_module, "check_config", _unwrap_check)
     monkeypatch.setattr(sft_module, "check_config", _unwrap_check)
+    monkeypatch.setattr(dpo_module, "check_config", _unwrap_check)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
@@ -217,6 +221,56 @@ def test_every_schema_key_is_read_by_some_component(
         "env.code.wall_seconds=4",
     )
     run_eval(ReadRecorder(code, recorded))  # type: ignore[arg-type]
+    # I: DPO on pairs of its own samples, averaged logprobs, an SFT term.
+    dpo = small_dpo_config(
+        tiny_model_dir,
+        tmp_path / "i",
+        "dpo.max_num_steps=1",
+        "dpo.val_at_start=false",
+        "dpo.sft_loss_weight=0.1",
+        "dpo.preference_average_log_probs=true",
+        "dpo.sft_average_log_probs=true",
+        "dpo.sampled_pairs.max_rounds=1",
+    )
+    DPO(ReadRecorder(dpo, recorded)).train()  # type: ignore[arg-type]
+    # J: DPO on a binary preference file with its own column names (validation loss over its pairs).
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        "".join(
+            json.dumps({"q": f"{i} + {i}?", "good": f"#### {2 * i}", "bad": f"#### {i}"}) + "\n"
+            for i in range(1, 9)
+        )
+    )
+    dpo_data = small_dpo_config(
+        tiny_model_dir,
+        tmp_path / "j",
+        "dpo.max_num_steps=1",
+        "data.dataset_name=BinaryPreferenceDataset",
+        f"data.train_data_path={pairs}",
+        f"data.val_data_path={pairs}",
+        "data.prompt_key=q",
+        "data.chosen_key=good",
+        "data.rejected_key=bad",
+        "dpo.val_batches=1",
+        "dpo.val_global_batch_size=4",
+        "dpo.val_micro_batch_size=2",
+        "checkpointing.enabled=false",
+    )
+    DPO(ReadRecorder(dpo_data, recorded)).train()  # type: ignore[arg-type]
+    # K: eval scored by a reward model; L: eval scored by an in-process judge (the tiny model's verdicts
+    # do not parse: each item 0, counted).
+    from transformers import AutoTokenizer
+
+    reward_model = save_tiny_reward_model(tmp_path / "rm", AutoTokenizer.from_pretrained(tiny_model_dir))
+    for name, env in (
+        ("k", ["data.env_name=reward_model", f"env.reward_model.model_name={reward_model}"]),
+        (
+            "l",
+            ["data.env_name=judge", f"env.judge.model_name={tiny_model_dir}", "env.judge.max_new_tokens=4"],
+        ),
+    ):
+        scored = small_grpo_config(tiny_model_dir, tmp_path / name, "eval.max_val_samples=2", *env)
+        run_eval(ReadRecorder(scored, recorded))  # type: ignore[arg-type]
     seed: MasterConfig = load_recipe(resolve_recipe_path("grpo-gemma3-27b-it-2n8g-fsdp2tp8-noncolocated"))
     make_plan(ReadRecorder(seed, recorded))  # type: ignore[arg-type]
 

@@ -17,7 +17,6 @@ from typing import Any, ClassVar
 import pytest
 import torch
 from pydantic import ValidationError
-from transformers import AutoModelForSequenceClassification, LlamaConfig, PreTrainedTokenizerBase
 
 from rlfleet.config import ConfigError, MasterConfig, check_config
 from rlfleet.config.env_models import JudgeEnvConfig, RewardModelEnvConfig
@@ -27,34 +26,11 @@ from rlfleet.environments.judge import JudgeEnvironment, parse_score, render_rub
 from rlfleet.environments.reward_model import RewardModelEnvironment, keep_last
 from rlfleet.models.tiny import TinyModelSpec, create_tiny_model, train_tokenizer
 from rlfleet.rollouts.environments import environment_settings
+from tests.conftest import save_tiny_reward_model
 
 CORPUS = ["user assistant system question answer the sum of 12 and 30 is 42 Score: 7 good bad slow broken"]
 KEY_VARIABLE = "RLFLEET_TEST_JUDGE_KEY"
 SECRET = "sk-test-5f3a9c"
-
-
-def save_tiny_reward_model(
-    out_dir: Path, tokenizer: PreTrainedTokenizerBase, num_labels: int = 1, seed: int = 0
-) -> Path:
-    """A randomly initialised two-layer Llama sequence classifier for ``tokenizer``, saved with it."""
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    config.num_labels = num_labels  # the classifier head's width (1: a scalar reward)
-    torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_config(config)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
 
 
 @pytest.fixture(scope="module")
