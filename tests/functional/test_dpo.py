@@ -175,3 +175,25 @@ def test_dpo_on_a_preference_dataset_validates_its_loss_and_pair_accuracy(
     assert end["val/loss"] < start["val/loss"]  # held-out pairs: chosen pulled above rejected
     assert end["train/num_pairs"] == 4 and "train/sample_reward" not in end
     assert (tmp_path / "ckpt" / "step_2").is_dir()
+
+
+def test_dpo_with_lora_starts_at_ln2_and_trains_only_the_adapters(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """With LoRA the reference is the model without its adapters (no second copy): the first loss is ln 2
+    (B starts at zero), then only adapter weights move."""
+    cfg = small_dpo_config(
+        tiny_model_dir,
+        tmp_path,
+        "policy.dtensor_cfg.lora_cfg.enabled=true",
+        "dpo.reference_policy_kl_penalty=1.0",
+        "dpo.val_period=0",
+    )
+    trainer = DPO(cfg)
+    before = _params(trainer)
+    trainer.train()
+    records = [r for r in read_metrics(tmp_path / "logs") if "train/loss" in r]
+    assert 0.69314 < records[0]["train/loss"] < 0.69316
+    assert records[1]["train/loss"] != pytest.approx(0.693147, abs=1e-5)
+    moved = {n for n, p in _params(trainer).items() if not torch.equal(before[n], p)}
+    assert moved and all("lora" in n for n in moved), sorted(moved)[:5]
