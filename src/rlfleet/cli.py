@@ -39,8 +39,8 @@ from rlfleet.memory.allocator import run_on_jemalloc
 log = logging.getLogger("rlfleet")
 
 DEBUG_ENV = "RLFLEET_DEBUG"
-ALGORITHM_HELP = "what the recipe is checked for (default: its name's first word: grpo-, sft- or dpo-...)"
-ALGORITHMS = ("grpo", "sft", "dpo")
+ALGORITHM_HELP = "what the recipe is checked for (default: its name's first word: grpo-, sft-, dpo-, rm-...)"
+ALGORITHMS = ("grpo", "sft", "dpo", "rm")
 # Top-level module of an optional dependency -> the extra of pyproject.toml that installs it.
 OPTIONAL_EXTRAS = {
     "ray": "ray",
@@ -80,6 +80,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             from rlfleet.algorithms.dpo import dpo_train
 
             dpo_train(cfg)
+        elif args.command == "rm":
+            from rlfleet.algorithms.rm import rm_train
+
+            rm_train(cfg)
         else:
             from rlfleet.algorithms.sft import sft_train
 
@@ -173,6 +177,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_arithmetic_pairs(args: argparse.Namespace) -> int:
+    from rlfleet.data.arithmetic import write_arithmetic_pairs
+
+    train, val = write_arithmetic_pairs(
+        Path(args.out_dir),
+        num_train=args.num_train,
+        num_val=args.num_val,
+        seed=args.seed,
+        max_operand=args.max_operand,
+    )
+    print(f"wrote {args.num_train} pairs to {train} and {args.num_val} to {val}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from rlfleet.demo import run_demo
 
@@ -186,10 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlfleet",
         description=(
-            "Reinforcement-learning post-training of language models (GRPO, SFT): recipes are YAML files "
-            "with key=value overrides. A mistake in the input (a config key, a data row, a checkpoint, "
-            "cluster capacity, a missing extra) prints its message and exits with code 2; --debug (or "
-            "RLFLEET_DEBUG=1) adds the traceback."
+            "Reinforcement-learning post-training of language models (GRPO, SFT, DPO, reward models): "
+            "recipes are YAML files with key=value overrides. A mistake in the input (a config key, a data "
+            "row, a checkpoint, cluster capacity, a missing extra) prints its message and exits with code 2; "
+            "--debug (or RLFLEET_DEBUG=1) adds the traceback."
         ),
     )
     parser.add_argument(
@@ -209,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("grpo", "GRPO training"),
         ("sft", "supervised fine-tuning"),
         ("dpo", "direct preference optimisation"),
+        ("rm", "Bradley-Terry reward-model training on preference pairs"),
     ):
         p = sub.add_parser(name, help=help_text, description=f"{help_text}: RECIPE plus key=value overrides")
         p.add_argument("recipe", help="recipe YAML path or shipped recipe name")
@@ -244,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_export)
     add_deploy_commands(sub)
+    _add_data_commands(sub)
     p = sub.add_parser("demo", help="the embedded default: tiny model, SFT warm start, GRPO (CPU, offline)")
     p.add_argument(
         "--task", choices=sorted(DEMO_TASKS), default="arithmetic", help="arithmetic, or the calculator task"
@@ -252,6 +272,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="overrides for the GRPO stage (sft.* ones: the SFT stage)")
     p.set_defaults(func=cmd_demo)
     return parser
+
+
+def _add_data_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    data = sub.add_parser("data", help="write data files the shipped recipes train on")
+    kinds = data.add_subparsers(dest="data_command", required=True)
+    p = kinds.add_parser(
+        "arithmetic-pairs",
+        help="arithmetic preference pairs (worked answer chosen, a slip in its last step rejected) as "
+        "OUT_DIR/train.jsonl and OUT_DIR/val.jsonl, for rm-tiny-arithmetic-cpu",
+    )
+    p.add_argument("out_dir")
+    p.add_argument("--num-train", type=int, default=2048, help="training pairs (default 2048)")
+    p.add_argument("--num-val", type=int, default=128, help="validation pairs, other questions (default 128)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--max-operand", type=int, default=9, help="operands in [1, N] (default 9: the tiny model's)"
+    )
+    p.set_defaults(func=cmd_arithmetic_pairs)
 
 
 def user_error_message(exc: BaseException) -> str | None:

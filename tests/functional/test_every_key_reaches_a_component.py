@@ -18,15 +18,18 @@ from pydantic import BaseModel
 
 import rlfleet.algorithms.dpo as dpo_module
 import rlfleet.algorithms.grpo as grpo_module
+import rlfleet.algorithms.rm as rm_module
 import rlfleet.algorithms.sft as sft_module
 from rlfleet.algorithms.dpo import DPO
 from rlfleet.algorithms.evaluation import run_eval
 from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.rm import RM
 from rlfleet.algorithms.sft import SFT
 from rlfleet.config import MasterConfig, check_config, load_recipe, resolve_recipe_path, schema_keys
 from rlfleet.memory.report import make_plan
 from tests.conftest import save_tiny_reward_model, small_grpo_config
 from tests.functional.test_dpo import small_dpo_config
+from tests.functional.test_rm import small_pairs, small_rm_config
 
 DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"
 
@@ -60,6 +63,7 @@ def recorded(monkeypatch) -> set[str]:
     monkeypatch.setattr(grpo_module, "check_config", _unwrap_check)
     monkeypatch.setattr(sft_module, "check_config", _unwrap_check)
     monkeypatch.setattr(dpo_module, "check_config", _unwrap_check)
+    monkeypatch.setattr(rm_module, "check_config", _unwrap_check)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
@@ -271,6 +275,19 @@ def test_every_schema_key_is_read_by_some_component(
     ):
         scored = small_grpo_config(tiny_model_dir, tmp_path / name, "eval.max_val_samples=2", *env)
         run_eval(ReadRecorder(scored, recorded))  # type: ignore[arg-type]
+    # M: a Bradley-Terry reward model on arithmetic pairs (the policy loaded as a sequence classifier).
+    rm = small_rm_config(
+        tiny_model_dir,
+        tmp_path / "m",
+        small_pairs(tmp_path / "m_pairs"),
+        "rm.max_num_steps=1",
+        "rm.max_num_epochs=1",
+        "rm.val_batches=1",
+        "rm.val_at_end=true",
+        "rm.seed=3",
+        "checkpointing.enabled=false",
+    )
+    RM(ReadRecorder(rm, recorded)).train()  # type: ignore[arg-type]
     seed: MasterConfig = load_recipe(resolve_recipe_path("grpo-gemma3-27b-it-2n8g-fsdp2tp8-noncolocated"))
     make_plan(ReadRecorder(seed, recorded))  # type: ignore[arg-type]
 

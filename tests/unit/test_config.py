@@ -493,6 +493,69 @@ def test_each_cross_field_check_names_its_key(
         assert fragment in str(info.value)
 
 
+RM_RAW = [
+    "policy.reward_model_cfg.enabled=true",
+    "data.dataset_name=BinaryPreferenceDataset",
+    "data.train_data_path=pairs.jsonl",
+    "data.val_data_path=pairs.jsonl",
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "algorithm", "fragment"),
+    [
+        (["policy.reward_model_cfg.enabled=false"], "rm", "`rlfleet rm` trains the model loaded as a reward"),
+        (["policy.reward_model_cfg.reward_model_type=regression"], "rm", "got 'regression'"),
+        (["data.dataset_name=arithmetic"], "rm", "data.dataset_name: arithmetic is a task"),
+        (["policy.dtensor_cfg.lora_cfg.enabled=true"], "rm", "new score head would stay at its random start"),
+        (
+            ["policy.logprob_chunk_size=64"],
+            "rm",
+            "policy.logprob_chunk_size=64: a reward model has one score",
+        ),
+        (
+            [
+                "policy.generation.colocated.enabled=false",
+                "policy.generation.colocated.resources.num_nodes=1",
+                "policy.generation.colocated.resources.gpus_per_node=1",
+                "cluster.gpus_per_node=2",
+            ],
+            "rm",
+            "a reward model generates nothing, so they would stay idle",
+        ),
+        (
+            [
+                "cluster.gpus_per_node=2",
+                "policy.train_global_batch_size=3",
+                "policy.train_micro_batch_size=1",
+            ],
+            "rm",
+            "3 pairs do not split over the 2 data-parallel",
+        ),
+        (
+            ["checkpointing.metric_name=val:reward"],
+            "rm",
+            "rm logs only train/accuracy, train/loss, val/accuracy",
+        ),
+        ([], "grpo", "policy.reward_model_cfg.enabled=true loads the model as a reward model"),
+        (["policy.reward_model_cfg.enabled=false"], "sft", "is preference data"),
+        (["data.train_data_path=runs/demo/rm/pairs/train.jsonl"], "rm", "`rlfleet data arithmetic-pairs"),
+    ],
+)
+def test_reward_model_checks_name_their_key(
+    overrides: list[str], algorithm: str, fragment: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # runs/demo/rm/pairs is not written here
+    check_config(validate_config(apply_overrides(good_raw(), RM_RAW)), "rm")
+    cfg = validate_config(apply_overrides(good_raw(), [*RM_RAW, *overrides]))
+    with pytest.raises(ConfigError) as info:
+        check_config(cfg, algorithm)  # type: ignore[arg-type]
+    assert fragment in str(info.value)
+    # grpo: the preference data and the reward model; 3 pairs over 2 ranks: the data-parallel check too
+    expected = 1 + (algorithm == "grpo") + ("policy.train_global_batch_size=3" in overrides)
+    assert len(info.value.problems) == expected, str(info.value)
+
+
 def test_checks_report_all_problems_at_once() -> None:
     overrides = [
         "policy.model_name=",

@@ -98,3 +98,17 @@ def test_export_of_a_gguf_started_checkpoint_writes_a_plain_config(gguf_dir: Pat
     )
     out = export_hf(step_dir, tmp_path / "export")
     assert_plain(json.loads((out / "config.json").read_text()))
+
+
+def test_a_reward_model_loads_from_gguf_with_the_causal_lms_backbone(gguf_dir: Path) -> None:
+    causal = load_model(str(gguf_dir), "float32", GGUF_FILE)
+    torch.manual_seed(0)
+    scorer = load_model(str(gguf_dir), "float32", GGUF_FILE, reward_model="bradley_terry", pad_token_id=3)
+    assert type(scorer).__name__ == "LlamaForSequenceClassification"
+    assert scorer.config.num_labels == 1 and scorer.config.pad_token_id == 3
+    assert_plain(scorer.config.to_dict())
+    backbone = scorer.model.state_dict()
+    for name, value in causal.model.state_dict().items():
+        assert torch.equal(backbone[name], value), name
+    with pytest.raises(ValueError, match="reward_model_type='regression'"):
+        load_model(str(gguf_dir), "float32", GGUF_FILE, reward_model="regression")

@@ -7,7 +7,14 @@ import shlex
 import pytest
 
 from rlfleet.cli import main
-from rlfleet.config import ConfigError, check_config, load_recipe, resolve_recipe_path, shipped_recipe_names
+from rlfleet.config import (
+    ConfigError,
+    check_config,
+    load_recipe,
+    recipe_algorithm,
+    resolve_recipe_path,
+    shipped_recipe_names,
+)
 from rlfleet.config.checks import layout_problems
 from rlfleet.config.layout import resource_layout
 from rlfleet.memory.planner import count_parameters
@@ -22,8 +29,11 @@ def test_every_shipped_recipe_validates() -> None:
     names = shipped_recipe_names()
     assert {SEED, "grpo-qwen2.5-0.5b-gsm8k-1n1g", "grpo-smollm2-135m-gsm8k-cpu"} <= set(names)
     for name in names:
-        cfg = load_recipe(resolve_recipe_path(name), ["policy.model_name=m"] if "tiny" in name else [])
-        check_config(cfg, "sft" if name.startswith("sft") else "grpo")
+        tiny = ["policy.model_name=m"] if "tiny" in name else []  # models and data `make` builds
+        written = (
+            ["data.train_data_path=p.jsonl", "data.val_data_path=p.jsonl"] if name.startswith("rm-") else []
+        )
+        check_config(load_recipe(resolve_recipe_path(name), [*tiny, *written]), recipe_algorithm(name))
 
 
 @pytest.mark.parametrize("split", [str.split, shlex.split], ids=["verbatim", "as-the-shell-passes-it"])
@@ -61,6 +71,19 @@ def test_plan_says_token_budgets_not_rows_split_packed_batches(capsys) -> None:
     unused = "(train_micro_batch_size and logprob_batch_size are not used)"
     assert f"split by the token budgets below {unused}" in rows
     assert "256 row(s) per optimizer step per rank (DP 1)" in rows and "micro-batch(es) of 2" not in rows
+
+
+def test_plan_of_a_reward_model_shows_pairs_and_no_generation(capsys) -> None:
+    name = "rm-tiny-arithmetic-cpu"
+    assert recipe_algorithm(name) == "rm"
+    written = ["policy.model_name=m", "data.train_data_path=p.jsonl", "data.val_data_path=p.jsonl"]
+    assert main(["plan", name, *written, "cluster.gpus_per_node=2"]) == 0
+    out = capsys.readouterr().out
+    assert "plan for rm-tiny-arithmetic-cpu (rm)" in out
+    assert "generation          none: a reward model samples nothing" in out and "engine" not in out
+    assert "Ray: 2 training actor(s)" in out and "TP 1 x DP 2" in out
+    assert "pairs per step      32 = 64 rows (chosen, rejected)" in out
+    assert "pairs from          the dataset (BinaryPreferenceDataset)" in out
 
 
 def test_plan_shows_the_colocated_vllm_engines_on_ray(capsys) -> None:

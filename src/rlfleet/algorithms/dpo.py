@@ -19,22 +19,17 @@ Where the pairs come from (:mod:`rlfleet.rollouts.pairs`):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
-
-import torch
 
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
 from rlfleet.config.layout import resource_layout
 from rlfleet.config.preference import DPOConfig
 from rlfleet.generation import GenerationBackend, SamplingParams
 from rlfleet.memory.planner import ensure_fits, resolve_batching
-from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.loss_functions import DPOLossFn
-from rlfleet.policy.loss_math import Normalizer
 from rlfleet.rollouts.collect import GroupCollector
 from rlfleet.rollouts.evaluate import evaluate
-from rlfleet.rollouts.pairs import PairSource, TokenPair, pair_batch, pairs_from_groups
+from rlfleet.rollouts.pairs import PairSource, TokenPair, pair_batch, pair_validation, pairs_from_groups
 from rlfleet.rollouts.rollout import accuracy
 from rlfleet.runtime.components import micro_batching
 from rlfleet.runtime.loop import RunContext, closing_run, run_loop, start_run, step_seed
@@ -49,11 +44,6 @@ def dpo_loss_fn(dpo: DPOConfig) -> DPOLossFn:
         preference_average_log_probs=dpo.preference_average_log_probs,
         sft_average_log_probs=dpo.sft_average_log_probs,
     )
-
-
-def whole_batch(batch: TrainBatch) -> Normalizer:
-    """The normaliser of ``batch`` taken as one global batch (validation's loss over all its pairs)."""
-    return Normalizer(float(batch.response_mask.sum()), float(len(batch)))
 
 
 class DPO:
@@ -159,26 +149,15 @@ class DPO:
             params = SamplingParams(self.cfg.policy.generation.max_new_tokens, greedy=True)
             seed = step_seed(self.cfg.dpo.seed, self.ctx.step, salt=1)
             return evaluate(self.ctx.episodes, self.data.val, params, seed).metrics("val")
-        return self._validation_loss(self.val_pairs)
-
-    def _validation_loss(self, pairs: Sequence[TokenPair]) -> dict[str, float]:
-        """NeMo RL's DPO validation: the loss and its metrics over the validation pairs, no update."""
-        policy, dpo = self.ctx.policy, self.cfg.dpo
-        totals: dict[str, float] = {}
-        batches = [
-            pairs[i : i + dpo.val_global_batch_size] for i in range(0, len(pairs), dpo.val_global_batch_size)
-        ]
-        for chunk in batches:
-            batch = pair_batch(chunk, policy.tokenizer.pad_token_id)
-            rows = 2 * dpo.val_micro_batch_size
-            logprobs = policy.logprobs(batch, rows)
-            batch = batch.with_(ref_logprobs=policy.logprobs(batch, rows, reference=True))
-            with torch.no_grad():
-                _, metrics = self.loss_fn(logprobs, batch, whole_batch(batch))
-            for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + value * len(chunk) / len(pairs)
-        totals["num_valid_samples"] = float(len(pairs))
-        return {f"val/{key}": value for key, value in totals.items()}
+        dpo = self.cfg.dpo
+        return pair_validation(
+            self.ctx.policy,
+            self.loss_fn,
+            self.val_pairs,
+            batch_size=dpo.val_global_batch_size,
+            micro_batch_size=dpo.val_micro_batch_size,
+            reference=True,
+        )
 
     def train(self) -> dict[str, float]:
         dpo = self.cfg.dpo

@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rlfleet.config import MasterConfig
+from rlfleet.config import ConfigError, MasterConfig
 from rlfleet.config.layout import resource_layout
 from rlfleet.data import load_task, resolve_system_prompt
 from rlfleet.environments.runner import EnvRunner
@@ -72,6 +72,12 @@ def run_eval(
     ``samples_path``, writes every scored response there as JSON lines (``prompt``, ``response``, ``gold``,
     ``reward``, groups in order), so a user can read why a model scores what it scores."""
     start = time.perf_counter()
+    if cfg.policy.reward_model_cfg.enabled:
+        raise ConfigError(
+            "policy.reward_model_cfg.enabled=true: a reward model scores replies, it does not write them, so "
+            "`rlfleet eval` has nothing to sample; fix: `rlfleet export` its checkpoint and score a policy's "
+            "replies with it (data.env_name=reward_model, env.reward_model.model_name=<export dir>)"
+        )
     eval_cfg, gen = cfg.eval, cfg.policy.generation
     examples = load_task(cfg.data)  # every data row checked before the model loads
     layout = resource_layout(cfg)

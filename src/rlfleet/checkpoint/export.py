@@ -12,12 +12,18 @@ from typing import Any
 import torch
 import yaml
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 
 from rlfleet.checkpoint.dcp_io import TOKENIZER_DIR, load_model_state_dict, policy_dir
 from rlfleet.checkpoint.manager import CONFIG_FILE, is_complete_checkpoint, verify_checkpoint
 from rlfleet.config.schema import LoraConfig
-from rlfleet.models.loading import DTYPES, drop_gguf_config, resolve_model_path
+from rlfleet.models.loading import DTYPES, drop_gguf_config, resolve_model_path, reward_model_config
 from rlfleet.models.lora import adapter_state, merge_adapters
 
 PEFT_PREFIX = "base_model.model."  # PEFT's key prefix for a causal LM's modules
@@ -32,8 +38,10 @@ def build_model_from_name(
     *,
     gguf_file: str | None = None,
     trust_remote_code: bool = False,
+    reward_model: bool = False,
+    pad_token_id: int | None = None,
 ) -> PreTrainedModel:
-    """Build a randomly initialised causal LM with the architecture of ``model_name``.
+    """Build a randomly initialised causal LM (or reward model) with the architecture of ``model_name``.
 
     Only the config is read; no weights are downloaded or loaded.
 
@@ -42,6 +50,9 @@ def build_model_from_name(
         gguf_file: A GGUF file inside ``model_name`` whose architecture to use (the config keeps
             no GGUF record: the exported model is a plain one).
         trust_remote_code: Allow custom modelling code from the model repository.
+        reward_model: The sequence classifier with one label that ``rlfleet rm`` trains from
+            ``model_name`` (``rlfleet.models.loading.reward_model_config``), ``pad_token_id`` in its config.
+        pad_token_id: The tokenizer's padding id (a reward model's head reads the last token before it).
     """
     config_kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if gguf_file is not None:
@@ -56,6 +67,12 @@ def build_model_from_name(
         ) from err
     if gguf_file is not None:
         drop_gguf_config(config)
+    if reward_model:
+        classifier = reward_model_config(config, pad_token_id)
+        scorer: PreTrainedModel = AutoModelForSequenceClassification.from_config(
+            classifier, trust_remote_code=trust_remote_code
+        )
+        return scorer
     model: PreTrainedModel = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     return model
 
@@ -112,6 +129,16 @@ def _load_weights(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], m
         )
 
 
+def _is_reward_model(checkpoint_path: Path) -> bool:
+    """Whether the recipe saved with the checkpoint trained a reward model (``policy.reward_model_cfg``)."""
+    with (checkpoint_path / CONFIG_FILE).open(encoding="utf-8") as handle:
+        recipe = yaml.safe_load(handle) or {}
+    raw: Any = recipe
+    for key in ("policy", "reward_model_cfg", "enabled"):
+        raw = raw.get(key) if isinstance(raw, dict) else None
+    return raw is True
+
+
 def _lora_from_config(checkpoint_path: Path) -> LoraConfig:
     """``policy.dtensor_cfg.lora_cfg`` of the recipe saved with the checkpoint (defaults where unset)."""
     with (checkpoint_path / CONFIG_FILE).open(encoding="utf-8") as handle:
@@ -165,7 +192,10 @@ def export_hf(checkpoint_path: Path, out_dir: Path, *, adapter_only: bool = Fals
 
     The architecture comes from ``policy.model_name`` in the checkpoint's ``config.yaml``; the
     weights from ``policy/weights`` (DCP); the tokenizer from ``policy/tokenizer`` when present.
-    The result loads with ``AutoModelForCausalLM.from_pretrained(out_dir)`` (safetensors). Checkpoints
+    The result loads with ``AutoModelForCausalLM.from_pretrained(out_dir)`` (safetensors); a reward
+    model's (``policy.reward_model_cfg.enabled``) with
+    ``AutoModelForSequenceClassification.from_pretrained(out_dir)``, which the ``reward_model`` environment
+    reads (``env.reward_model.model_name=out_dir``). Checkpoints
     hold float32 master weights; the export is written in the run's ``policy.precision`` (its compute
     dtype: a bfloat16 run exports bfloat16, half the size). A LoRA run's adapters are merged into the base
     weights (``W + alpha/dim * B A``, in float32); with ``adapter_only`` the adapters alone are written in
@@ -204,7 +234,14 @@ def export_hf(checkpoint_path: Path, out_dir: Path, *, adapter_only: bool = Fals
         return out_dir
     if lora is not None:
         state_dict = merge_adapters(state_dict, lora.alpha / lora.dim)
-    model = build_model_from_name(model_name, gguf_file=gguf_file)
+    tokenizer_dir = policy_dir(checkpoint_path) / TOKENIZER_DIR
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir.is_dir() else None
+    model = build_model_from_name(
+        model_name,
+        gguf_file=gguf_file,
+        reward_model=_is_reward_model(checkpoint_path),
+        pad_token_id=tokenizer.pad_token_id if tokenizer is not None else None,
+    )
     _load_weights(model, state_dict, model_name)
     if precision is not None:
         # transformers' @wraps on PreTrainedModel.to hides the bound self from mypy
@@ -213,9 +250,8 @@ def export_hf(checkpoint_path: Path, out_dir: Path, *, adapter_only: bool = Fals
     # transformers 5 always writes safetensors (the safe_serialization flag was removed);
     # tied weights (e.g. lm_head = embed_tokens) are stored once and re-tied on load.
     model.save_pretrained(out_dir)
-    tokenizer_dir = policy_dir(checkpoint_path) / TOKENIZER_DIR
-    if tokenizer_dir.is_dir():
-        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out_dir))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
     else:
         logger.warning(
             "Checkpoint %s has no %s; exporting the model without a tokenizer.",

@@ -4,9 +4,10 @@ The schema (:mod:`rlfleet.config.schema`) checks single fields: types, ranges, c
 several fields is checked here, and every problem found is reported at once, each one line naming the dotted
 key, the offending value, the constraint and a fix:
 
-* :func:`check_config`: everything that keeps a config from running ``grpo`` or ``sft``: the fields of one
-  section against each other, batch arithmetic, micro-batch budgets, sequence lengths, the GRPO variants,
-  the checkpoint metric, the resources, and the resource layout (:func:`layout_problems`). Runs,
+* :func:`check_config`: everything that keeps a config from running ``grpo``, ``sft``, ``dpo`` or ``rm``:
+  the fields of one section against each other, batch arithmetic, micro-batch budgets, sequence lengths,
+  the GRPO variants, preference pairs and reward models (:mod:`rlfleet.config.preference_checks`), the
+  checkpoint metric, the resources, and the resource layout (:func:`layout_problems`). Runs,
   ``rlfleet validate``, ``plan`` and ``k8s render`` call it before anything starts.
 * :func:`section_problems`: the fields of one section against each other;
   :func:`rlfleet.config.validate_config` reports them too, so a recipe that loads is consistent.
@@ -32,7 +33,7 @@ from rlfleet.config.embedded import DEMO_COMMANDS, DEMO_TASKS
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.metric_names import LOGGED_METRICS, normalize_metric_name
-from rlfleet.config.preference import PREFERENCE_DATASETS
+from rlfleet.config.preference_checks import preference_problems
 from rlfleet.config.schema import BUILTIN_ENVIRONMENTS, MasterConfig
 from rlfleet.utils.intmath import round_up
 
@@ -45,7 +46,7 @@ __all__ = [
     "unsupported_settings",
 ]
 
-Algorithm = Literal["grpo", "sft", "dpo"]
+Algorithm = Literal["grpo", "sft", "dpo", "rm"]
 
 # ------------------------------------------------------------------------------------------- entry points
 
@@ -56,7 +57,8 @@ def check_config(cfg: MasterConfig, algorithm: Algorithm, *, layout: ResourceLay
 
     Args:
         cfg: The validated config.
-        algorithm: ``"grpo"``, ``"sft"`` or ``"dpo"``; the GRPO-only checks run for ``"grpo"`` only.
+        algorithm: ``"grpo"``, ``"sft"``, ``"dpo"`` or ``"rm"``; the GRPO-only checks run for ``"grpo"``
+            only, those of pairs and reward models (:mod:`rlfleet.config.preference_checks`) for theirs.
         layout: ``resource_layout(cfg)`` when the caller has it already; computed here if not.
 
     Raises:
@@ -65,20 +67,14 @@ def check_config(cfg: MasterConfig, algorithm: Algorithm, *, layout: ResourceLay
     if algorithm not in LOGGED_METRICS:
         raise ConfigError(
             f"algorithm: got {algorithm!r}, expected one of {', '.join(sorted(LOGGED_METRICS))}; "
-            "fix: pass 'grpo', 'sft' or 'dpo'"
+            "fix: pass 'grpo', 'sft', 'dpo' or 'rm'"
         )
     layout = layout if layout is not None else resource_layout(cfg)
     problems = section_problems(cfg)
     problems += _model_name_problems(cfg)
     problems += _batch_problems(cfg, algorithm)
     problems += _micro_batching_problems(cfg)
-    if algorithm == "dpo":
-        problems += _dpo_problems(cfg, layout)
-    elif cfg.data.dataset_name in PREFERENCE_DATASETS:
-        problems.append(
-            f"data.dataset_name: {cfg.data.dataset_name} is preference data (chosen and rejected replies), "
-            f"which {algorithm} cannot train on; fix: `rlfleet dpo` on it, or a task dataset for {algorithm}"
-        )
+    problems += preference_problems(cfg, algorithm, layout)
     if algorithm == "grpo":
         problems += _length_problems(cfg) + _baseline_problems(cfg)
         problems += _loss_problems(cfg) + _dapo_problems(cfg) + _async_problems(cfg)
@@ -236,31 +232,6 @@ def _micro_batching_problems(cfg: MasterConfig) -> list[str]:
                 f"policy.{name}.{budget_key(pass_)}={longest} or more (or null for "
                 "max_total_sequence_length x the micro-batch rows)"
             )
-    return problems
-
-
-def _dpo_problems(cfg: MasterConfig, layout: ResourceLayout) -> list[str]:
-    """DPO's pairs: whole pairs on every data-parallel rank, and a pair's two rows in one micro-batch."""
-    p, problems = cfg.policy, []
-    if p.train_global_batch_size % layout.train_dp:
-        problems.append(
-            f"policy.train_global_batch_size={p.train_global_batch_size} pairs do not split over the "
-            f"{layout.train_dp} data-parallel training ranks (DPO trains whole pairs on each rank); fix: a "
-            f"multiple of {layout.train_dp}"
-        )
-    name = token_budget_section(p)
-    if name is None:
-        return problems
-    round_to = p.dynamic_batching.sequence_length_round if name == "dynamic_batching" else 1
-    pair = 2 * round_up(p.max_total_sequence_length, round_to)
-    tokens = recipe_budget(p, name, "train").tokens
-    if tokens < pair:
-        problems.append(
-            f"policy.{name}.{budget_key('train')}={tokens} cannot hold a (chosen, rejected) pair of the "
-            f"longest sequences ({pair} tokens: twice policy.max_total_sequence_length="
-            f"{p.max_total_sequence_length}), and DPO trains a pair's two rows in one micro-batch; fix: "
-            f"policy.{name}.{budget_key('train')}={pair} or more"
-        )
     return problems
 
 

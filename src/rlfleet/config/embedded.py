@@ -10,3 +10,8 @@ DEMO_TASKS = {
 builds a tiny model there (``base_model``), warms it up with SFT (``sft_model``), then runs GRPO; the tiny
 recipes name those directories as their ``policy.model_name``."""
 DEMO_COMMANDS = {"arithmetic": "make train", "tools": "make train-tools"}
+
+ARITHMETIC_PAIRS_DIR = "runs/demo/rm/pairs"
+GENERATED_DATA = {ARITHMETIC_PAIRS_DIR: f"rlfleet data arithmetic-pairs {ARITHMETIC_PAIRS_DIR}"}
+"""Data directories of the shipped recipes that no file ships: directory -> the command that writes its
+files (``rm-tiny-arithmetic-cpu`` trains on the ``train.jsonl`` and ``val.jsonl`` of arithmetic pairs)."""

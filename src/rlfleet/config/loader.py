@@ -369,7 +369,8 @@ def recipe_algorithm(recipe: str | Path) -> Algorithm:
     """The algorithm a recipe is for: the first word of its name (recipes are named
     ``<algorithm>-<model>-<N>n<G>g-<strategy>``: ``sft-tiny-arithmetic-cpu``), GRPO when it names none."""
     first = Path(recipe).name.split("-", 1)[0].lower()
-    return "sft" if first == "sft" else "dpo" if first == "dpo" else "grpo"
+    named: dict[str, Algorithm] = {"sft": "sft", "dpo": "dpo", "rm": "rm"}
+    return named.get(first, "grpo")
 
 
 def resolve_recipe_path(name_or_path: str | Path) -> Path:

@@ -23,6 +23,8 @@ LOGGED_METRICS: dict[str, frozenset[str]] = {
     # DPO validates a task's greedy accuracy (pairs from its own samples) or, on a preference dataset,
     # the loss and pair accuracy over the validation pairs
     "dpo": frozenset({"val/accuracy", "val/reward", "val/mean_response_length", "val/loss", "train/loss"}),
+    # a reward model validates its loss and pair accuracy (the chosen reply scoring higher) on held-out pairs
+    "rm": frozenset({"val/accuracy", "val/loss", "train/loss", "train/accuracy"}),
 }
 """Metrics each algorithm logs: the valid ``checkpointing.metric_name`` values (after normalisation)."""
 

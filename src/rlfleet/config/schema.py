@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from rlfleet.config.env_models import JudgeEnvConfig, RewardModelEnvConfig
-from rlfleet.config.preference import DPOConfig
+from rlfleet.config.preference import DPOConfig, RewardModelCfg, RMConfig
 from rlfleet.config.strict import Strict
 
 # --------------------------------------------------------------------------------------------- algorithms
@@ -400,6 +400,7 @@ class PolicyConfig(Strict):
     dtensor_cfg: DTensorConfig = DTensorConfig()
     dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
     sequence_packing: SequencePackingConfig = SequencePackingConfig()
+    reward_model_cfg: RewardModelCfg = RewardModelCfg()
 
 
 # --------------------------------------------------------------------------------------------- data / env
@@ -413,7 +414,7 @@ class ArithmeticConfig(Strict):
     min_ops: int = Field(1, ge=1, description="Fewest arithmetic operations per problem.")
     max_ops: int = Field(2, ge=1, description="Most arithmetic operations per problem.")
     max_operand: int = Field(20, ge=2, description="Operands are drawn from [1, max_operand].")
-    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"])
+    operations: list[Literal["+", "-", "*"]] = ["+", "-"]  # noqa: RUF012 (pydantic copies defaults)
     seed: int = 1234
 
 
@@ -440,7 +441,7 @@ class DataConfig(Strict):
     local ``.json``/``.jsonl``/``.parquet`` file with an input and an output column). The gold answer of a
     row is extracted from its output: the number after ``####`` (commas removed), else the content of the
     last ``\boxed{}``, else the whole output. ``PreferenceDataset`` and ``BinaryPreferenceDataset`` (NeMo
-    RL's names; DPO only) read preference pairs from the same kinds of sources
+    RL's names; DPO and reward models only) read preference pairs from the same kinds of sources
     (:mod:`rlfleet.data.preferences`).
     """
 
@@ -641,6 +642,7 @@ class MasterConfig(Strict):
     grpo: GRPOConfig = GRPOConfig()
     sft: SFTConfig = SFTConfig()
     dpo: DPOConfig = DPOConfig()
+    rm: RMConfig = RMConfig()
     loss_fn: LossConfig = LossConfig()
     policy: PolicyConfig = PolicyConfig()
     data: DataConfig = DataConfig()

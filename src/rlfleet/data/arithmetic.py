@@ -7,8 +7,10 @@ rewards, SFT targets) treats this task exactly like GSM8k.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
 from rlfleet.data.types import Example
 
@@ -115,6 +117,52 @@ def arithmetic_splits(
         f"could not draw {num_train} training problems distinct from the {num_val} validation ones; "
         "raise data.arithmetic.max_operand or max_ops, or lower num_val"
     )
+
+
+def wrong_answer(answer: str, rng: random.Random) -> str:
+    """``answer`` (a worked answer of :func:`make_problem`) with its last equation's result, and so the
+    final answer, off by 1 to 3 (never below 0): the same steps and format, one arithmetic slip."""
+    *steps, last, _ = answer.split("\n")  # the last line is "#### <result>"
+    left, _, result = last.rpartition(" = ")
+    right = int(result)
+    wrong = rng.choice([right + d for d in (-3, -2, -1, 1, 2, 3) if right + d >= 0])
+    return "\n".join([*steps, f"{left} = {wrong}", f"#### {wrong}"])
+
+
+def arithmetic_pairs(
+    *, num_train: int, num_val: int, seed: int, max_operand: int, min_ops: int = 1, max_ops: int = 2
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """Preference rows (``BinaryPreferenceDataset``: prompt, chosen, rejected) of arithmetic word problems:
+    the worked answer chosen, the same answer with a slip in its last step (:func:`wrong_answer`) rejected;
+    train and validation questions distinct (:func:`arithmetic_splits`, additions and subtractions)."""
+    splits = arithmetic_splits(
+        num_train=num_train,
+        num_val=num_val,
+        seed=seed,
+        min_ops=min_ops,
+        max_ops=max_ops,
+        max_operand=max_operand,
+        operations=["+", "-"],
+    )
+    rng = random.Random(seed)
+
+    def rows(examples: list[Example]) -> list[dict[str, str]]:
+        return [
+            {"prompt": ex.question, "chosen": ex.answer, "rejected": wrong_answer(ex.answer, rng)}
+            for ex in examples
+        ]
+
+    return rows(splits[0]), rows(splits[1])
+
+
+def write_arithmetic_pairs(out_dir: Path, **shape: int) -> tuple[Path, Path]:
+    """Writes :func:`arithmetic_pairs` (its keyword arguments ``shape``) as ``out_dir/train.jsonl`` and
+    ``out_dir/val.jsonl``; returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = (out_dir / "train.jsonl", out_dir / "val.jsonl")
+    for path, rows in zip(paths, arithmetic_pairs(**shape), strict=True):
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return paths
 
 
 # --- multiplication with a calculator -----------------------------------------------------------------------

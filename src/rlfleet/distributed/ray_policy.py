@@ -71,6 +71,8 @@ class RayRuntime:
         seed: Seeds the training ranks.
         call_timeout_s: Limit on every call to an actor.
         placement_timeout_s: Limit on reserving the placement groups.
+        generation: Start generation engines (colocated or dedicated); False for a run that samples
+            nothing (a reward model's): the training ranks alone.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class RayRuntime:
         seed: int,
         call_timeout_s: float,
         placement_timeout_s: float,
+        generation: bool = True,
     ) -> None:
         self.layout = layout
         self.source = source
@@ -93,7 +96,8 @@ class RayRuntime:
         self.vllm = vllm
         self.call_timeout_s = call_timeout_s
         self.placement_timeout_s = placement_timeout_s
-        processes = layout.train_world + (0 if layout.colocated else layout.gen_engines)
+        dedicated = generation and not layout.colocated
+        processes = layout.train_world + (layout.gen_engines if dedicated else 0)
         self.owns_ray = connect_or_start(None, num_cpus=processes + 2, timeout_s=placement_timeout_s)
         self.use_gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.groups: list[Any] = []
@@ -103,7 +107,7 @@ class RayRuntime:
             self.train_pgs = self._reserve(layout.train_nodes, layout.train_gpus_per_node, "rlfleet-train")
             self.gen_pgs = (
                 []
-                if layout.colocated
+                if not dedicated
                 else self._reserve(
                     layout.gen_nodes,
                     layout.gen_gpus_per_node // layout.gen_tp,  # one bundle per engine
@@ -111,8 +115,9 @@ class RayRuntime:
                     gpus_per_bundle=layout.gen_tp,
                 )
             )
-            colocated_batch = generation_batch_size if layout.colocated else None
-            colocated_vllm = vllm if layout.colocated else None
+            colocated = generation and layout.colocated
+            colocated_batch = generation_batch_size if colocated else None
+            colocated_vllm = vllm if colocated else None
             init = {
                 "source": source,
                 "settings": settings,
@@ -123,13 +128,14 @@ class RayRuntime:
                 "seed": seed,
             }
             self.train = RayWorkerGroup(ShardedPolicyWorker, self.train_pgs, init, call_timeout_s)
-            engines = f"{layout.gen_engines} {layout.backend} engine(s) x TP {layout.gen_tp}"
+            engines = f"{layout.gen_engines} {layout.backend} engine(s) x TP {layout.gen_tp}, " + (
+                "colocated" if layout.colocated else "dedicated"
+            )
             log.info(
-                "training on %d Ray worker(s) (tensor parallel %d); generation: %s, %s",
+                "training on %d Ray worker(s) (tensor parallel %d); generation: %s",
                 self.train.world_size,
                 layout.train_tp,
-                engines,
-                "colocated" if layout.colocated else "dedicated",
+                engines if generation else "none",
             )
         except BaseException:
             self.close()

@@ -5,13 +5,14 @@ Also here: the per-rank ``worker.GenerationWorker`` (an engine a Ray actor or a 
 """
 
 from rlfleet.generation.hf import HFGenerationBackend
-from rlfleet.generation.interface import GenerationBackend, GenerationResult, SamplingParams
+from rlfleet.generation.interface import GenerationBackend, GenerationResult, NoGeneration, SamplingParams
 from rlfleet.generation.vllm import VLLMGenerationBackend, VLLMSettings  # imports vllm only when started
 
 __all__ = [
     "GenerationBackend",
     "GenerationResult",
     "HFGenerationBackend",
+    "NoGeneration",
     "SamplingParams",
     "VLLMGenerationBackend",
     "VLLMSettings",

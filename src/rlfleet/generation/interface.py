@@ -64,3 +64,24 @@ class GenerationBackend(Protocol):
     def take_metrics(self) -> dict[str, float]:
         """Metrics of the engines since the last call (per-worker throughput on Ray; may be empty)."""
         ...
+
+
+class NoGeneration:
+    """The backend of a run that samples nothing (a reward model's): no engine is built, and a call to
+    generate is a bug, refused."""
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
+    ) -> list[GenerationResult]:
+        raise RuntimeError("this run builds no generation engine (a reward model generates nothing)")
+
+    def generate_rows(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
+    ) -> list[GenerationResult]:
+        raise RuntimeError("this run builds no generation engine (a reward model generates nothing)")
+
+    def refit(self) -> None:
+        """Nothing to refit."""
+
+    def take_metrics(self) -> dict[str, float]:
+        return {}

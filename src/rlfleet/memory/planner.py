@@ -55,8 +55,13 @@ REFUSAL_SHARE = 0.9
 # RLFLEET_MEMORY_CHECK=off runs a layout whose estimate exceeds the machine's memory (the estimate is not
 # exact; a user who knows better may try)
 SKIP_ENV = "RLFLEET_MEMORY_CHECK"
-# the passes each algorithm runs (SFT has no logprob pass)
-ALGORITHM_PASSES: dict[Algorithm, tuple[Pass, ...]] = {"grpo": PASSES, "sft": ("train",), "dpo": PASSES}
+# the passes each algorithm runs (SFT and reward models have no logprob pass)
+ALGORITHM_PASSES: dict[Algorithm, tuple[Pass, ...]] = {
+    "grpo": PASSES,
+    "sft": ("train",),
+    "dpo": PASSES,
+    "rm": ("train",),
+}
 
 
 @dataclass(frozen=True)
@@ -326,14 +331,14 @@ def memory_plan(
             arch, state, _shape(cfg, layout, sizes["train"]), cpu=not on_gpu, allocator=allocator
         ),
     }
-    if algorithm == "sft":
+    if "logprob" not in ALGORITHM_PASSES[algorithm]:
         del passes["logprob"], sizes["logprob"]
     return MemoryPlan(
         on_gpu=on_gpu,
         passes=passes,
         tokens=sizes,
         ranks_here=1 if on_gpu else layout.train_world,
-        generation=_generation(cfg, layout, parameters, on_gpu),
+        generation=_generation(cfg, layout, parameters, on_gpu) if algorithm != "rm" else {},
         available=_available(cfg, on_gpu),
         allocator=allocator,
     )

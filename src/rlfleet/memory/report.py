@@ -53,7 +53,7 @@ class Plan:
     gen_engine: str | None  # the vLLM engine's settings in one line; None with the HF backend
     batching: ResolvedBatching  # the token budgets the run would use on this machine, with why
     optimizer_state_bytes: int  # per trained parameter (AdamW: m and v in float32)
-    algorithm: Algorithm = "grpo"  # what the plan is for (the recipe's name says: grpo-, sft- or dpo-...)
+    algorithm: Algorithm = "grpo"  # what the plan is for (the recipe's name says: grpo-, sft-, dpo-, rm-...)
 
     def training_memory_gib(self) -> dict[str, float]:
         if self.parameters is None:
@@ -130,6 +130,24 @@ def _gpus(cfg: MasterConfig, nodes: int, per_node: int) -> str:
 
 def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
     lay, p = plan.layout, cfg.policy
+    training = (
+        "training",
+        f"{_gpus(cfg, lay.train_nodes, lay.train_gpus_per_node)}: TP {lay.train_tp} x DP {lay.train_dp}",
+    )
+    if plan.algorithm == "rm":  # a reward model: training ranks alone
+        workers = (
+            f"Ray: {lay.train_world} training actor(s) in {lay.train_nodes} placement group(s)"
+            if uses_ray(cfg, layout=lay)
+            else "this process (no Ray)"
+        )
+        return [
+            ("cluster", _gpus(cfg, lay.num_nodes, lay.gpus_per_node)),
+            ("workers", workers),
+            ("generation", "none: a reward model samples nothing"),
+            training,
+            *_step_rows(cfg, plan),
+            ("sequence budget", f"{p.max_total_sequence_length} tokens"),
+        ]
     where = (
         "colocated with training"
         if lay.colocated
@@ -140,10 +158,7 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
         ("workers", _workers(cfg, lay)),
         ("placement", f"generation {where}; {lay.backend}, TP {lay.gen_tp} -> {lay.gen_engines} engine(s)"),
         *([("engine", plan.gen_engine)] if plan.gen_engine else []),
-        (
-            "training",
-            f"{_gpus(cfg, lay.train_nodes, lay.train_gpus_per_node)}: TP {lay.train_tp} x DP {lay.train_dp}",
-        ),
+        training,
         *_step_rows(cfg, plan),
         (
             "sequence budget",
@@ -176,7 +191,7 @@ def _step_rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
     sampled = cfg.dpo.sampled_pairs
     source = (
         f"the dataset ({cfg.data.dataset_name})"
-        if cfg.data.dataset_name in PREFERENCE_DATASETS
+        if cfg.data.dataset_name in PREFERENCE_DATASETS or plan.algorithm == "rm"
         else f"the model's own samples: {sampled.num_generations_per_prompt} per prompt, best vs worst, up "
         f"to {sampled.max_rounds} round(s) of {p.train_global_batch_size} prompts"
     )
@@ -247,7 +262,8 @@ def _memory_lines(cfg: MasterConfig, plan: Plan) -> list[str]:
     assert plan.parameters is not None
     lay, p = plan.layout, cfg.policy
     trainable = plan.trainable_parameters or plan.parameters
-    mem = memory_plan(cfg, lay, plan.parameters, trainable, tokens=pass_tokens(cfg, plan.batching))
+    tokens = pass_tokens(cfg, plan.batching)
+    mem = memory_plan(cfg, lay, plan.parameters, trainable, tokens=tokens, algorithm=plan.algorithm)
     rank = "training GPU" if mem.on_gpu else "training process (CPU)"
     shard = f"state sharded over {lay.train_world}" if uses_ray(cfg, layout=lay) else "whole model"
     lines = [f"  memory per {rank} ({shard}; {policy_precision(cfg).name} compute):"]
@@ -269,7 +285,7 @@ def _memory_lines(cfg: MasterConfig, plan: Plan) -> list[str]:
     if mem.generation:
         detail = ", ".join(f"{k} {v / GIB:.2f}" for k, v in mem.generation.items())
         lines.append(f"  {'generation memory':<20}{sum(mem.generation.values()) / GIB:.1f} GiB ({detail})")
-    else:  # on GPUs, or a backend without memory of its own
+    elif plan.algorithm != "rm":  # on GPUs, or a backend without memory of its own (a reward model: none)
         backend = backend_of(lay)
         gen_precision = generation_precision(cfg, lay)
         gen_weights = plan.parameters * BYTES[gen_precision] / lay.gen_tp / GIB
@@ -290,7 +306,7 @@ def _memory_lines(cfg: MasterConfig, plan: Plan) -> list[str]:
         return lines
     what = "one GPU" if mem.on_gpu else "this machine"
     ranks = f"{mem.ranks_here} rank(s)" + (" + generation" if mem.generation else "")
-    problems = memory_problems(cfg, lay, "grpo", plan.batching)
+    problems = memory_problems(cfg, lay, plan.algorithm, plan.batching)
     verdict = "does NOT fit: `validate` and the run refuse it" if problems else "fits"
     lines.append(
         f"  {'fits':<20}{verdict}: estimate {mem.total() / GIB:.1f} GiB ({ranks}) of "

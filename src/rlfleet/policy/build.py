@@ -32,7 +32,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PreTrainedModel
 
-from rlfleet.models.loading import DTYPES, ModelSource, load_model
+from rlfleet.models.loading import DTYPES, ModelSource
 from rlfleet.models.lora import LoraSettings, WithoutAdapters, apply_lora
 from rlfleet.policy.parallelize import checkpoint_layers, parallelize
 from rlfleet.utils.cpu import cpu_flags, slow_cpu_precision
@@ -100,7 +100,7 @@ def build_policy_models(
     cast = compute if compute != MASTER_DTYPE else None
     if device.type == "cpu" and (why := slow_cpu_precision(source.precision, cpu_flags())) is not None:
         log.warning(why)
-    model = load_model(source.model_name, "float32", source.gguf_file)
+    model = source.load_model("float32")  # the causal LM, or the reward model (source.reward_model)
     # transformers' @wraps on PreTrainedModel.to hides the bound self from mypy
     model.to(device)  # type: ignore[arg-type]
     if lora is not None:
@@ -120,7 +120,7 @@ def build_policy_models(
 
 def _frozen_reference(source: ModelSource, device: torch.device, mesh: DeviceMesh | None) -> PreTrainedModel:
     """The initial weights in the compute dtype, in eval mode, without gradients (sharded on a mesh)."""
-    reference = load_model(source.model_name, source.precision, source.gguf_file)
+    reference = source.load_model()
     # transformers' @wraps on PreTrainedModel.to hides the bound self from mypy
     reference.to(device)  # type: ignore[arg-type]
     if mesh is not None:

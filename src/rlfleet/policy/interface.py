@@ -54,7 +54,8 @@ class Policy(Protocol):
         reference: bool = False,
         temperature: float = 1.0,
     ) -> torch.Tensor:
-        """``[B, T]`` token logprobs of the policy (or of the frozen reference) over ``batch``.
+        """``[B, T]`` token logprobs of the policy (or of the frozen reference) over ``batch``; a reward
+        model's per-token scores (``rlfleet.policy.logprobs.token_scores``).
 
         ``micro_batching``: how the rows go through the model, a ``MicroBatching`` (fixed rows, dynamic
         batching or packing) or a row count (fixed micro-batches of that many rows)."""

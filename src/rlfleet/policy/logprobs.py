@@ -1,4 +1,10 @@
-"""Token logprobs of a causal LM over a right-padded batch, in any micro-batch layout.
+"""Token logprobs of a causal LM over a right-padded batch, in any micro-batch layout; a reward model's
+per-token scores in their place.
+
+A reward model (a sequence classifier, ``rlfleet.models.loading.is_reward_model``) goes through the same
+machinery (micro-batching, packing, the training step): where a causal LM gives ``log p(x_t | x_<t)``, it
+gives its score head's output at every position, ``score(h_t)`` (no shift, no temperature), and the loss
+reads each row's score at its last token (``rlfleet.policy.loss_functions.PreferenceLossFn``).
 
 With ``MicroBatching.logprob_chunk`` (``policy.logprob_chunk_size``) the logprobs come from the final
 hidden states a chunk of tokens at a time: the model's output layer runs inside its forward on one chunk,
@@ -9,6 +15,7 @@ the micro-batch (NeMo RL's fused linear logprobs).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,6 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from rlfleet.models.loading import is_reward_model
 from rlfleet.models.lora import WithoutAdapters
 from rlfleet.policy import packed_attention
 from rlfleet.policy.batch import TrainBatch
@@ -117,17 +125,68 @@ def _output_layer_replaced(inner: PreTrainedModel, stand_in: _LogprobHead) -> It
         setattr(inner, name, stand_in.head)
 
 
+def _per_token_scores(model: PreTrainedModel, input_ids: torch.Tensor, **inputs: Any) -> torch.Tensor:
+    """A sequence classifier's forward without the pooling: ``[B, T]`` float32 score of every position."""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, **inputs).last_hidden_state  # [B, T, H]
+    scores: torch.Tensor = model.get_submodule("score")(hidden)[..., 0]  # [B, T]: the head has one label
+    return scores.float()
+
+
+@contextmanager
+def _forward_per_token(model: PreTrainedModel) -> Iterator[None]:
+    """``model(...)`` returns ``_per_token_scores`` during this block. The model is still called as a
+    whole, so the hooks around its forward run (FSDP2 gathers its own parameters, the score head's among
+    them, and its backward reduces their gradients, because the loss depends on that call's output)."""
+    previous = model.__dict__.get("forward")
+    model.forward = functools.partial(_per_token_scores, model)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del model.forward
+        else:
+            model.forward = previous
+
+
+def token_scores(model: PreTrainedModel, input_ids: torch.Tensor, **inputs: Any) -> torch.Tensor:
+    """``[B, T]`` a reward model's score at every position of ``input_ids`` (called with ``inputs``: attention
+    mask or position ids), each from the hidden state there; the row's score is the one at its last token.
+
+    Raises:
+        ValueError: The model has no one-label ``score`` head.
+    """
+    head = getattr(model, "score", None)
+    if not isinstance(head, torch.nn.Linear) or head.out_features != 1:
+        raise ValueError(
+            f"{type(model).__name__} has no one-label `score` head; a Bradley-Terry reward model is a "
+            "transformers *ForSequenceClassification with num_labels=1"
+        )
+    with _forward_per_token(model):
+        scores: torch.Tensor = model(input_ids=input_ids, use_cache=False, **inputs)
+    return scores
+
+
 def model_logprobs(
     model: ScoringModel, input_ids: torch.Tensor, temperature: float, chunk: int | None, **inputs: Any
 ) -> torch.Tensor:
     """``[B, T]`` logprobs of ``input_ids`` under ``model`` called with ``inputs`` (attention mask or
     position ids): from its logits, or, with ``chunk``, from its final hidden states ``chunk`` tokens at a
-    time (the output layer is swapped for the chunked computation during this forward only).
+    time (the output layer is swapped for the chunked computation during this forward only). A reward
+    model gives its per-token scores instead (``token_scores``).
 
     Raises:
         ValueError: With ``chunk``, the model changes its output layer's result (logit soft-capping or
-            scaling, as Gemma 2 or Granite do): chunking would skip that, so it is refused.
+            scaling, as Gemma 2 or Granite do): chunking would skip that, so it is refused; or the model is
+            a reward model, which has no vocabulary logits to chunk.
     """
+    if not isinstance(model, WithoutAdapters) and is_reward_model(model):
+        if chunk is not None:
+            raise ValueError(
+                "a reward model has no vocabulary logits to compute in chunks; "
+                "fix: policy.logprob_chunk_size=null"
+            )
+        return token_scores(model, input_ids, **inputs)
     if chunk is None:
         logits = model(input_ids=input_ids, use_cache=False, **inputs).logits  # [B, T, V]
         return logprobs_from_logits(logits, input_ids, temperature)
@@ -192,7 +251,8 @@ def packed_token_logprobs(
     The model gets ``position_ids`` restarting at each sequence and no attention mask: transformers then
     builds a block-diagonal causal mask (SDPA / eager) or runs variable-length FlashAttention from the
     position ids (``flash_attention_2``). Each sequence's first position gets 0, as in the padded layout
-    (the packed row's logit there conditions on the previous sequence).
+    (the packed row's logit there conditions on the previous sequence); a reward model's scores are kept
+    at every position (each depends on its own sequence alone).
     """
     packed_attention.use_packed_sdpa(model)
     attention = model.config._attn_implementation
@@ -205,7 +265,9 @@ def packed_token_logprobs(
     real = int(attention_mask.sum())
     packed, positions, rows, cols = pack_rows(input_ids, attention_mask, packed_width(real, budget))
     lp = model_logprobs(model, packed, temperature, chunk, position_ids=positions)  # [1, W]
-    picked = lp[0, :real].masked_fill(cols == 0, 0.0)  # [L]
+    picked = lp[0, :real]  # [L]
+    if not is_reward_model(model):
+        picked = picked.masked_fill(cols == 0, 0.0)
     return picked.new_zeros(input_ids.shape).index_put((rows, cols), picked)
 
 

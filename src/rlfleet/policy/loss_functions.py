@@ -32,6 +32,7 @@ from rlfleet.policy.loss_math import (
     gspo_loss,
     kl_estimate,
     kl_gradient_weights,
+    last_token_index,
     sequence_sums,
 )
 
@@ -260,6 +261,46 @@ class DPOLossFn:
                 "loss": float(loss.detach()),
                 "sft_loss": float(sft),
                 "preference_loss": float(preference),
+                "accuracy": float((chosen > rejected).float().sum() / pairs),
+                "rewards_chosen_mean": float(chosen.sum() / pairs),
+                "rewards_rejected_mean": float(rejected.sum() / pairs),
+                "num_valid_samples": len(mb) / 2,
+            }
+        return loss, metrics
+
+
+@dataclass(frozen=True)
+class PreferenceLossFn:
+    """A Bradley-Terry reward model's loss (NeMo RL's ``PreferenceLossFn``): ``mean(-log sigmoid(r_chosen -
+    r_rejected))`` over the global batch's pairs, ``r`` a sequence's score, the reward model's output at
+    its last token (``last_token_index``: with ``pad_token_id``, transformers' rule, so the exported model
+    reads the same position).
+
+    Its input is the reward model's per-token scores ``[n, T]`` (what the policy worker computes for a
+    reward model where it computes logprobs for a causal LM). Rows ``2i`` and ``2i + 1`` of a micro-batch are
+    a pair's chosen and rejected sequences, planned together (``MicroBatching.pairs``).
+
+    Metrics, NeMo RL's: ``loss``, ``accuracy`` (pairs whose chosen score is higher),
+    ``rewards_chosen_mean``, ``rewards_rejected_mean`` and ``num_valid_samples`` (pairs).
+    """
+
+    pad_token_id: int | None = None
+
+    def __call__(
+        self, scores: torch.Tensor, mb: TrainBatch, norm: Normalizer
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        if len(mb) % 2:
+            raise ValueError(
+                f"a preference micro-batch holds whole (chosen, rejected) pairs, got {len(mb)} rows"
+            )
+        pairs = max(norm.num_sequences / 2, 1.0)
+        index = last_token_index(mb.input_ids, mb.attention_mask, self.pad_token_id).to(scores.device)
+        rewards = scores.gather(1, index.unsqueeze(1)).squeeze(1)  # [n]
+        chosen, rejected = rewards[0::2], rewards[1::2]
+        loss = dpo_preference_loss(chosen, rejected, beta=1.0).sum() / pairs
+        with torch.no_grad():
+            metrics = {
+                "loss": float(loss.detach()),
                 "accuracy": float((chosen > rejected).float().sum() / pairs),
                 "rewards_chosen_mean": float(chosen.sum() / pairs),
                 "rewards_rejected_mean": float(rejected.sum() / pairs),

@@ -260,3 +260,18 @@ def dpo_preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, beta: floa
     """``[P]`` DPO's per-pair loss ``-log sigmoid(beta * (r_chosen - r_rejected))`` (``ln 2`` at equal
     rewards), from the pairs' implicit rewards ``r = log pi/pi_ref`` of each response."""
     return -torch.nn.functional.logsigmoid(beta * (chosen - rejected))
+
+
+def last_token_index(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int | None = None
+) -> torch.Tensor:
+    """``[B]`` the position of each right-padded row's last real token (``attention_mask``), where a
+    sequence classifier reads the row's score. With ``pad_token_id``: its last real token that is not the
+    padding id, transformers' rule for ``*ForSequenceClassification`` (the rightmost token that is not
+    padding), so that a reward model trained here reads the position its export reads, also where the
+    padding id is a real token as well (padding = EOS). A row with no such token gives 0."""
+    real = attention_mask != 0
+    if pad_token_id is not None:
+        real = real & (input_ids != pad_token_id)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    return (positions * real).argmax(dim=1)

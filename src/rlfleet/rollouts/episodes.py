@@ -147,7 +147,8 @@ class EpisodeRunner:
     Args:
         backend: The engines (any backend: HF, vLLM, on Ray or not).
         tokenizer: The policy's tokenizer (its chat template renders observations).
-        environments: Runner of each environment name.
+        environments: Runner of each environment name; none at all for a run that rolls out nothing (a
+            reward model's, whose backend is ``NoGeneration``).
         default_env: The environment of rows that name none.
         max_turns: ``grpo.max_rollout_turns``.
         max_seq_len: ``policy.max_total_sequence_length``.
@@ -168,7 +169,7 @@ class EpisodeRunner:
         self.max_turns, self.max_seq_len, self.system_prompt = max_turns, max_seq_len, system_prompt
         self.template = ObservationTemplate(tokenizer)
         self.tokenizer = tokenizer
-        if default_env not in self.environments:
+        if self.environments and default_env not in self.environments:
             raise ValueError(f"default environment {default_env!r} is not one of {sorted(self.environments)}")
 
     def env_of(self, prompt: Prompt) -> str:

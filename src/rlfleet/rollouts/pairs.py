@@ -1,7 +1,8 @@
-"""Preference pairs, the unit DPO trains on: from the model's own scored samples, or from a dataset.
+"""Preference pairs, the unit DPO and reward models train on: from the model's own scored samples, or from
+a dataset.
 
 A pair is a prompt's tokens and two responses' tokens, the chosen (preferred) one and the rejected one. The
-training batch interleaves them (rows ``2i`` chosen, ``2i + 1`` rejected), as NeMo RL's DPO does.
+training batch interleaves them (rows ``2i`` chosen, ``2i + 1`` rejected), as NeMo RL's DPO and RM do.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlfleet.config.preference import PREFERENCE_DATASETS
@@ -19,6 +21,8 @@ from rlfleet.data.errors import DataError
 from rlfleet.data.preferences import PreferenceExample, PreferenceKeys, load_preference_split, tokenize_pairs
 from rlfleet.data.response_dataset import resolve_sources
 from rlfleet.policy.batch import TrainBatch, collate
+from rlfleet.policy.interface import LossFn, Policy
+from rlfleet.policy.loss_math import Normalizer
 from rlfleet.rollouts.rollout import Rollout
 
 log = logging.getLogger("rlfleet")
@@ -90,10 +94,50 @@ def pair_batch(pairs: Sequence[TokenPair], pad_token_id: int) -> TrainBatch:
     )
 
 
+def whole_batch(batch: TrainBatch) -> Normalizer:
+    """The normaliser of ``batch`` taken as one global batch (validation's loss over all its pairs)."""
+    return Normalizer(float(batch.response_mask.sum()), float(len(batch)))
+
+
+def pair_validation(
+    policy: Policy,
+    loss_fn: LossFn,
+    pairs: Sequence[TokenPair],
+    *,
+    batch_size: int,
+    micro_batch_size: int,
+    reference: bool,
+) -> dict[str, float]:
+    """NeMo RL's validation of a model trained on pairs (DPO, reward models): ``loss_fn`` and its metrics
+    over ``pairs``, ``batch_size`` pairs at a time (``micro_batch_size`` per forward pass), no update; each
+    metric the mean over the batches weighted by their pairs, plus ``num_valid_samples`` (pairs), under
+    ``val/``.
+
+    ``reference``: the batches carry the frozen reference policy's logprobs (DPO's implicit reward).
+    """
+    if not pairs:
+        raise ValueError("no validation pairs to score")
+    totals: dict[str, float] = {}
+    rows = 2 * micro_batch_size
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start : start + batch_size]
+        batch = pair_batch(chunk, policy.tokenizer.pad_token_id)
+        outputs = policy.logprobs(batch, rows)  # a reward model's per-token scores
+        if reference:
+            batch = batch.with_(ref_logprobs=policy.logprobs(batch, rows, reference=True))
+        with torch.no_grad():
+            _, metrics = loss_fn(outputs, batch, whole_batch(batch))
+        for key, value in metrics.items():
+            totals[key] = totals.get(key, 0.0) + value * len(chunk) / len(pairs)
+    totals["num_valid_samples"] = float(len(pairs))
+    return {f"val/{key}": value for key, value in totals.items()}
+
+
 @dataclass(frozen=True)
 class PairSource:
-    """Where a DPO run's pairs come from: the model's own samples (``sampled``: ``data`` is a task), or a
-    preference dataset, whose rows :meth:`of` reads and checks before anything expensive starts.
+    """Where a DPO or reward-model run's pairs come from: the model's own samples (``sampled``: ``data``
+    is a task; DPO only), or a preference dataset, whose rows :meth:`of` reads and checks before anything
+    expensive starts.
 
     Attributes:
         sampled: Pairs are sampled (no rows here).

@@ -33,6 +33,7 @@ from rlfleet.data import (
 from rlfleet.generation import (
     GenerationBackend,
     HFGenerationBackend,
+    NoGeneration,
     VLLMGenerationBackend,
     VLLMSettings,
 )
@@ -52,7 +53,14 @@ def model_source(cfg: MasterConfig) -> ModelSource:
     """Where every worker loads the policy from."""
     policy = cfg.policy
     precision = policy_precision(cfg).name
-    return ModelSource(policy.model_name, precision, policy.gguf_file, policy.tokenizer.name)
+    rm = policy.reward_model_cfg
+    return ModelSource(
+        policy.model_name,
+        precision,
+        policy.gguf_file,
+        policy.tokenizer.name,
+        reward_model=rm.reward_model_type if rm.enabled else None,
+    )
 
 
 def optimizer_settings(cfg: MasterConfig) -> OptimizerSettings:
@@ -145,18 +153,19 @@ def build_backend(cfg: MasterConfig, worker: PolicyWorker, *, seed: int) -> Gene
 
 
 def build_policy(
-    cfg: MasterConfig, layout: ResourceLayout, *, seed: int, keep_reference: bool
+    cfg: MasterConfig, layout: ResourceLayout, *, seed: int, keep_reference: bool, generation: bool = True
 ) -> tuple[Policy, GenerationBackend]:
     """The policy and its generation backend: in this process, or on Ray when ``layout`` asks for it.
+    Without ``generation`` (a reward model samples nothing) no engine is built: ``NoGeneration``.
 
     The caller owns what this starts: ``policy.close()`` stops the Ray actors (a no-op in-process).
     """
     resolved = generation_backend(cfg)
-    if resolved.reason != "set by the recipe":
+    if generation and resolved.reason != "set by the recipe":
         log.info("generation: %s (%s)", resolved.name, resolved.reason)
     if not uses_ray(cfg, layout=layout):
         worker = build_worker(cfg, seed=seed, keep_reference=keep_reference)
-        return worker, build_backend(cfg, worker, seed=seed)
+        return worker, build_backend(cfg, worker, seed=seed) if generation else NoGeneration()
     from rlfleet.distributed.ray_generation import RayGeneration  # the ray extra
     from rlfleet.distributed.ray_policy import RayPolicy, RayRuntime
 
@@ -172,14 +181,15 @@ def build_policy(
             lora=lora_settings(cfg),
         ),
         generation_batch_size=policy_cfg.generation.batch_size,
-        vllm=ray_vllm_settings(cfg, seed) if backend_of(layout).reads_vllm_cfg else None,
+        vllm=ray_vllm_settings(cfg, seed) if generation and backend_of(layout).reads_vllm_cfg else None,
         keep_reference=keep_reference,
         seed=seed,
         call_timeout_s=cluster.call_timeout_s,
         placement_timeout_s=cluster.placement_timeout_s,
+        generation=generation,
     )
     try:
-        backend = RayGeneration(runtime, cluster.generation_retries)
+        backend = RayGeneration(runtime, cluster.generation_retries) if generation else NoGeneration()
         return RayPolicy(runtime, source.load_tokenizer(), keep_reference), backend
     except BaseException:
         runtime.close()

@@ -112,11 +112,14 @@ def start_run(
     max_num_steps: int,
     max_num_epochs: int,
     pairs: PairSource | None = None,
+    generation: bool = True,
 ) -> tuple[RunContext, GenerationBackend, TaskData]:
     """Starts a loop's components (environments, policy and generation, data, context) and resumes.
 
-    The loader draws the task's prompts, or with ``pairs`` from a preference dataset (DPO) its pairs,
-    tokenised once the policy's tokenizer is loaded (their rows were read and checked before).
+    The loader draws the task's prompts, or with ``pairs`` from a preference dataset (DPO, reward models)
+    its pairs, tokenised once the policy's tokenizer is loaded (their rows were read and checked before).
+    Without ``generation`` (a reward model's run: preference pairs, nothing sampled) no generation engine
+    and no environment is started (the backend is ``NoGeneration``).
 
     When any step fails, whatever was already started (Ray actors, environment worker processes, loggers)
     is released before the error propagates; once this returns, the context owns it all and
@@ -127,14 +130,15 @@ def start_run(
     examples = load_task(cfg.data) if task else ([], [])
     with ExitStack() as started:
         # every environment class is built once here: a bad one fails before any model loads
-        environments = load_environments(cfg, [*examples[0], *examples[1]])
-        policy, backend = build_policy(cfg, layout, seed=seed, keep_reference=keep_reference)
+        environments = load_environments(cfg, [*examples[0], *examples[1]]) if generation else {}
+        policy, backend = build_policy(
+            cfg, layout, seed=seed, keep_reference=keep_reference, generation=generation
+        )
         started.callback(policy.close)
         runners = start_runners(cfg, layout, environments)  # on Ray: once the policy has started it
         started.callback(close_runners, runners)
-        data = load_prompts(
-            cfg, policy.tokenizer, max_val_samples, examples, tools=prompt_tools(cfg, environments)
-        )
+        tools = prompt_tools(cfg, environments) if environments else None
+        data = load_prompts(cfg, policy.tokenizer, max_val_samples, examples, tools=tools)
         system_prompt = resolve_system_prompt(cfg.data)
         episodes = build_episode_runner(cfg, backend, policy.tokenizer, runners, system_prompt)
         items = data.train if pairs is None or pairs.sampled else pairs.tokenize(policy.tokenizer, cfg)
