@@ -197,3 +197,16 @@ def test_dpo_with_lora_starts_at_ln2_and_trains_only_the_adapters(
     assert records[1]["train/loss"] != pytest.approx(0.693147, abs=1e-5)
     moved = {n for n, p in _params(trainer).items() if not torch.equal(before[n], p)}
     assert moved and all("lora" in n for n in moved), sorted(moved)[:5]
+
+
+def test_first_step_loss_is_ln2_in_bfloat16_too(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Under bfloat16 autocast the reference computes as the policy does, so the first step's log ratios
+    are exactly 0 and the loss ln 2, whatever the responses' lengths (a reference in bfloat16 weights
+    gave every pair a length-proportional offset: accuracy 1.0 and loss 0.67 at step 1 on SmolLM2)."""
+    cfg = small_dpo_config(
+        tiny_model_dir, tmp_path, "policy.precision=bfloat16", "dpo.max_num_steps=1", "dpo.val_period=0"
+    )
+    DPO(cfg).train()
+    first = next(r for r in read_metrics(tmp_path / "logs") if "train/loss" in r)
+    assert 0.69314 < first["train/loss"] < 0.69316
+    assert first["train/rewards_chosen_mean"] == 0.0 and first["train/rewards_rejected_mean"] == 0.0

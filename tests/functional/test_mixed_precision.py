@@ -148,7 +148,10 @@ def test_sharded_bf16_update_moves_fp32_master_weights_as_float64_adamw(
     assert_float64_adamw_update(worker, lr)
 
 
-def test_reference_is_frozen_in_the_compute_dtype(tiny_model_dir: Path) -> None:
+def test_reference_computes_exactly_as_the_policy_before_any_update(tiny_model_dir: Path) -> None:
+    """The frozen reference holds float32 weights and runs under the policy's autocast: before an update
+    its logprobs equal the policy's to the last bit (a bfloat16 copy would run embeddings, norms and the
+    residual stream in bfloat16: a per-token offset that summed log ratios turn into a length bias)."""
     models = build_policy_models(
         ModelSource(str(tiny_model_dir), "bfloat16"),
         torch.device("cpu"),
@@ -157,8 +160,13 @@ def test_reference_is_frozen_in_the_compute_dtype(tiny_model_dir: Path) -> None:
     )
     assert {p.dtype for p in models.model.parameters()} == {torch.float32}
     assert models.reference is not None and not models.reference.training
-    assert {(p.dtype, p.requires_grad) for p in models.reference.parameters()} == {(torch.bfloat16, False)}
+    assert {(p.dtype, p.requires_grad) for p in models.reference.parameters()} == {(torch.float32, False)}
     assert (models.compute_dtype, models.autocast_dtype) == (torch.bfloat16, torch.bfloat16)
+    worker = PolicyWorker(ModelSource(str(tiny_model_dir), "bfloat16"), SETTINGS, keep_reference=True)
+    batch = worker_batch(worker)
+    policy, reference = worker.logprobs(batch, 4), worker.logprobs(batch, 4, reference=True)
+    assert policy.abs().sum() > 0
+    torch.testing.assert_close(reference, policy, rtol=0, atol=0)
 
 
 def test_compute_autocast_and_master_dtype_check() -> None:

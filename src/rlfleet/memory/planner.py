@@ -264,7 +264,8 @@ def model_state(
         weights=4 * parameters / world,
         optimizer=OPTIMIZER_STATE_BYTES[cfg.policy.optimizer.name] * trainable / world,
         gradients=4 * trainable / world,
-        reference=compute * parameters / world if reference else 0.0,
+        # in one process the reference computes as the policy does, from float32 weights under autocast
+        reference=(compute if sharded else 4) * parameters / world if reference else 0.0,
         compute_copies=copies,
     )
 

@@ -119,8 +119,15 @@ def build_policy_models(
 
 
 def _frozen_reference(source: ModelSource, device: torch.device, mesh: DeviceMesh | None) -> PreTrainedModel:
-    """The initial weights in the compute dtype, in eval mode, without gradients (sharded on a mesh)."""
-    reference = source.load_model()
+    """The initial weights, in eval mode, without gradients, computing exactly as the policy does.
+
+    In one process the policy holds float32 weights and its forward runs under autocast; so does the
+    reference (float32, the same autocast), so that before any update the two give the same logprobs to
+    the last bit. A reference held in the compute dtype would differ: its embeddings, norms and residual
+    stream run in bfloat16 where the policy's run in float32, a per-token offset that DPO's summed log
+    ratios and GRPO's KL turn into a bias toward short responses. On a mesh FSDP2 casts the policy's
+    weights to the compute dtype for its forward, which a reference loaded in that dtype matches."""
+    reference = source.load_model("float32" if mesh is None else None)
     # transformers' @wraps on PreTrainedModel.to hides the bound self from mypy
     reference.to(device)  # type: ignore[arg-type]
     if mesh is not None:
