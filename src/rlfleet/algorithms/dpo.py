@@ -24,12 +24,13 @@ from dataclasses import replace
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
 from rlfleet.config.layout import resource_layout
 from rlfleet.config.preference import DPOConfig
+from rlfleet.data.preferences import PreferencePair
 from rlfleet.generation import GenerationBackend, SamplingParams
 from rlfleet.memory.planner import ensure_fits, resolve_batching
 from rlfleet.policy.loss_functions import DPOLossFn
 from rlfleet.rollouts.collect import GroupCollector
 from rlfleet.rollouts.evaluate import evaluate
-from rlfleet.rollouts.pairs import PairSource, TokenPair, pair_batch, pair_validation, pairs_from_groups
+from rlfleet.rollouts.pairs import PairSource, pair_batch, pair_validation, pairs_from_groups
 from rlfleet.rollouts.rollout import accuracy
 from rlfleet.runtime.components import micro_batching
 from rlfleet.runtime.loop import RunContext, closing_run, run_loop, start_run, step_seed
@@ -76,7 +77,7 @@ class DPO:
             max_num_epochs=dpo.max_num_epochs,
             pairs=self.source,
         )
-        self.val_pairs: list[TokenPair] = []
+        self.val_pairs: list[PreferencePair] = []
         if not self.source.sampled:
             try:
                 val = self.source.tokenize(self.ctx.policy.tokenizer, cfg, val=True)
@@ -129,7 +130,7 @@ class DPO:
                 self.backend.refit()
         return {**metrics, **timer.metrics()}
 
-    def _pairs(self) -> tuple[list[TokenPair], dict[str, float]]:
+    def _pairs(self) -> tuple[list[PreferencePair], dict[str, float]]:
         """This step's pairs: the dataset's next batch, or the best and worst of the model's own samples."""
         if not self.source.sampled:
             return list(self.ctx.loader.next_batch()), {}

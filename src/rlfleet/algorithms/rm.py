@@ -24,9 +24,10 @@ from dataclasses import replace
 
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
 from rlfleet.config.layout import resource_layout
+from rlfleet.data.preferences import PreferencePair
 from rlfleet.memory.planner import ensure_fits, resolve_batching
 from rlfleet.policy.loss_functions import PreferenceLossFn
-from rlfleet.rollouts.pairs import PairSource, TokenPair, pair_batch, pair_validation
+from rlfleet.rollouts.pairs import PairSource, pair_batch, pair_validation
 from rlfleet.runtime.components import micro_batching
 from rlfleet.runtime.loop import RunContext, closing_run, run_loop, start_run
 from rlfleet.utils.timing import PhaseTimer
@@ -72,13 +73,13 @@ class RM:
             with closing_run(self.ctx):  # releases what start_run started, then re-raises
                 raise
         limit = rm.val_batches * rm.val_global_batch_size if rm.val_batches > 0 else len(val)
-        self.val_pairs: list[TokenPair] = val[:limit]
+        self.val_pairs: list[PreferencePair] = val[:limit]
         self.loss_fn = PreferenceLossFn(pad_token_id=self.ctx.policy.tokenizer.pad_token_id)
 
     def step(self) -> dict[str, float]:
         """pairs -> batch -> one optimizer step on the Bradley-Terry loss."""
         timer = PhaseTimer()
-        pairs: list[TokenPair] = list(self.ctx.loader.next_batch())
+        pairs: list[PreferencePair] = list(self.ctx.loader.next_batch())
         pairs = pairs[: len(pairs) - len(pairs) % self.data_parallel]  # whole pairs on every rank
         if not pairs:
             return {"train/update_skipped": 1.0, "train/num_pairs": 0.0, **timer.metrics()}

@@ -81,19 +81,25 @@ class PreferenceExample:
 
 @dataclass(frozen=True)
 class PreferencePair:
-    """A ``PreferenceExample`` as tokens: the model is trained on ``chosen_ids`` and ``rejected_ids``.
+    """One preference pair in tokens, what DPO and reward models train on: a ``PreferenceExample``
+    tokenised, or two of the model's own scored samples (``rlfleet.rollouts.pairs``).
 
     Attributes:
         prompt_ids: The chat-templated context with the generation prompt.
         chosen_ids: The preferred reply's tokens, ending with EOS.
         rejected_ids: The other reply's tokens, ending with EOS.
-        where: Origin of the row.
+        where: Origin of the pair (``file:line``, or the sampled prompt), for messages.
+        chosen_mask: 1 on the chosen reply's tokens the model produced, 0 on an episode's observation
+            tokens (tool results); None: every token.
+        rejected_mask: The same for the rejected reply.
     """
 
     prompt_ids: tuple[int, ...]
     chosen_ids: tuple[int, ...]
     rejected_ids: tuple[int, ...]
     where: str
+    chosen_mask: tuple[int, ...] | None = None
+    rejected_mask: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,13 @@ from rlfleet.config.preference import PREFERENCE_DATASETS
 from rlfleet.config.schema import DataConfig, MasterConfig
 from rlfleet.data import resolve_system_prompt
 from rlfleet.data.errors import DataError
-from rlfleet.data.preferences import PreferenceExample, PreferenceKeys, load_preference_split, tokenize_pairs
+from rlfleet.data.preferences import (
+    PreferenceExample,
+    PreferenceKeys,
+    PreferencePair,
+    load_preference_split,
+    tokenize_pairs,
+)
 from rlfleet.data.response_dataset import resolve_sources
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.interface import LossFn, Policy
@@ -26,28 +32,6 @@ from rlfleet.policy.loss_math import Normalizer
 from rlfleet.rollouts.rollout import Rollout
 
 log = logging.getLogger("rlfleet")
-
-
-@dataclass(frozen=True)
-class TokenPair:
-    """One preference pair in tokens.
-
-    Attributes:
-        prompt_ids: The prompt (chat template applied, generation prompt added).
-        chosen_ids: The preferred response's tokens (what the model is trained on, EOS included).
-        rejected_ids: The other response's tokens.
-        chosen_mask: 1 on the chosen response's tokens the model produced, 0 on an episode's observation
-            tokens; None: every token.
-        rejected_mask: The same for the rejected response.
-        where: Where the pair came from (``file:line``, or the sampled prompt), for messages.
-    """
-
-    prompt_ids: tuple[int, ...]
-    chosen_ids: tuple[int, ...]
-    rejected_ids: tuple[int, ...]
-    chosen_mask: tuple[int, ...] | None = None
-    rejected_mask: tuple[int, ...] | None = None
-    where: str = ""
 
 
 def best_and_worst(group: Sequence[Rollout]) -> tuple[Rollout, Rollout] | None:
@@ -60,7 +44,7 @@ def best_and_worst(group: Sequence[Rollout]) -> tuple[Rollout, Rollout] | None:
     return group[best], group[worst]
 
 
-def pairs_from_groups(rollouts: Sequence[Rollout], group_size: int) -> list[TokenPair]:
+def pairs_from_groups(rollouts: Sequence[Rollout], group_size: int) -> list[PreferencePair]:
     """One pair per group of ``group_size`` contiguous rollouts whose rewards differ: its best response
     chosen, its worst rejected, in the tokens the model sampled."""
     if len(rollouts) % group_size:
@@ -72,19 +56,19 @@ def pairs_from_groups(rollouts: Sequence[Rollout], group_size: int) -> list[Toke
             continue
         chosen, rejected = found
         pairs.append(
-            TokenPair(
+            PreferencePair(
                 chosen.prompt.token_ids,
                 chosen.result.token_ids,
                 rejected.result.token_ids,
+                f"sampled for {chosen.prompt.example.question[:60]!r}",
                 chosen.mask,
                 rejected.mask,
-                where=f"sampled for {chosen.prompt.example.question[:60]!r}",
             )
         )
     return pairs
 
 
-def pair_batch(pairs: Sequence[TokenPair], pad_token_id: int) -> TrainBatch:
+def pair_batch(pairs: Sequence[PreferencePair], pad_token_id: int) -> TrainBatch:
     """The training batch of ``pairs``: rows ``2i`` (chosen) and ``2i + 1`` (rejected) of pair ``i``."""
     prompts = [p.prompt_ids for p in pairs for _ in range(2)]
     responses = [ids for p in pairs for ids in (p.chosen_ids, p.rejected_ids)]
@@ -102,7 +86,7 @@ def whole_batch(batch: TrainBatch) -> Normalizer:
 def pair_validation(
     policy: Policy,
     loss_fn: LossFn,
-    pairs: Sequence[TokenPair],
+    pairs: Sequence[PreferencePair],
     *,
     batch_size: int,
     micro_batch_size: int,
@@ -179,7 +163,7 @@ class PairSource:
 
     def tokenize(
         self, tokenizer: PreTrainedTokenizerBase, cfg: MasterConfig, *, val: bool = False
-    ) -> list[TokenPair]:
+    ) -> list[PreferencePair]:
         """The training (or validation) rows as token pairs; pairs over ``policy.max_total_sequence_length``
         or tokenising the same are dropped and counted in the log, and a split left empty is an error."""
         name, examples = ("val", self.val) if val else ("train", self.train)
@@ -201,4 +185,4 @@ class PairSource:
                 f"no {name} preference pair is left of {len(examples)} row(s) once tokenised (dropped: "
                 f"{dropped}); fix: raise policy.max_total_sequence_length or check the data"
             )
-        return [TokenPair(p.prompt_ids, p.chosen_ids, p.rejected_ids, where=p.where) for p in pairs]
+        return pairs
