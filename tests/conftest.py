@@ -199,6 +199,23 @@ def kill_in_step(trainer: Any, step: int) -> None:
         trainer.train()
 
 
+def trainer_params(trainer: Any) -> dict[str, torch.Tensor]:
+    """A copy of a loop's (GRPO, SFT, DPO, RM) in-process policy weights, by name."""
+    return {n: p.detach().clone() for n, p in trainer.ctx.policy.model.named_parameters()}
+
+
+def assert_resumed_run_matches(full: Any, resumed: Any, full_dir: Path, resumed_dir: Path) -> None:
+    """A killed-and-resumed run ends with the weights of the uninterrupted one, bit for bit, and logged
+    the same metrics (the machine's measurements aside)."""
+    from rlfleet.logging import read_metrics
+
+    for name, p in trainer_params(full).items():
+        torch.testing.assert_close(trainer_params(resumed)[name], p, rtol=0, atol=0, msg=name)
+    a = comparable_metrics(read_metrics(full_dir / "logs"))
+    b = comparable_metrics(read_metrics(resumed_dir / "logs"))
+    assert a == b
+
+
 def comparable_metrics(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """``metrics.jsonl`` records without the machine's measurements (timings, throughput), which no two runs
     share: what an interrupted-and-resumed run must reproduce exactly."""

@@ -13,7 +13,7 @@ from rlfleet.algorithms.dpo import DPO
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.data.arithmetic import generate_arithmetic
 from rlfleet.logging import read_metrics
-from tests.conftest import comparable_metrics, kill_in_step
+from tests.conftest import assert_resumed_run_matches, kill_in_step, trainer_params
 
 DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"
 
@@ -49,17 +49,13 @@ def small_dpo_config(model_dir: Path, run_dir: Path, *extra: str) -> MasterConfi
     )
 
 
-def _params(trainer: DPO) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.ctx.policy.model.named_parameters()}
-
-
 def test_first_step_loss_is_ln2_and_training_moves_the_policy_off_its_reference(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """NeMo RL's functional DPO check: the first step's loss lies in (0.69314, 0.69316) (policy ==
     reference); then the chosen responses' implicit reward pulls above the rejected ones'."""
     trainer = DPO(small_dpo_config(tiny_model_dir, tmp_path, "dpo.max_num_steps=3"))
-    before = _params(trainer)
+    before = trainer_params(trainer)
     trainer.train()
     records = [r for r in read_metrics(tmp_path / "logs") if "train/loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -68,7 +64,7 @@ def test_first_step_loss_is_ln2_and_training_moves_the_policy_off_its_reference(
     assert first["train/num_pairs"] == 4 and first["train/num_valid_samples"] == 4
     assert last["train/rewards_chosen_mean"] > last["train/rewards_rejected_mean"]
     assert last["train/loss"] < first["train/loss"]
-    assert any(not torch.equal(before[n], p) for n, p in _params(trainer).items())
+    assert any(not torch.equal(before[n], p) for n, p in trainer_params(trainer).items())
     assert "val/accuracy" in read_metrics(tmp_path / "logs")[0]
 
 
@@ -83,11 +79,7 @@ def test_killed_dpo_run_resumes_to_identical_weights_and_metrics(
     resumed = DPO(small_dpo_config(tiny_model_dir, tmp_path / "resumed", *extra))
     assert resumed.ctx.step == 2
     resumed.train()
-    for name, p in _params(full).items():
-        torch.testing.assert_close(_params(resumed)[name], p, rtol=0, atol=0, msg=name)
-    a = comparable_metrics(read_metrics(tmp_path / "full" / "logs"))
-    b = comparable_metrics(read_metrics(tmp_path / "resumed" / "logs"))
-    assert a == b
+    assert_resumed_run_matches(full, resumed, tmp_path / "full", tmp_path / "resumed")
 
 
 @pytest.mark.parametrize(
@@ -109,7 +101,7 @@ def test_micro_batching_in_pairs_gives_the_same_update(
         beta = "dpo.reference_policy_kl_penalty=1.0"  # the second step far enough from ln 2
         trainer = DPO(small_dpo_config(tiny_model_dir, tmp_path / name, "dpo.val_period=0", beta, *extra))
         trainer.train()
-        runs[name] = (_params(trainer), read_metrics(tmp_path / name / "logs")[-1])
+        runs[name] = (trainer_params(trainer), read_metrics(tmp_path / name / "logs")[-1])
     (whole, whole_metrics), (other, other_metrics) = runs["whole"], runs["other"]
     assert abs(whole_metrics["train/loss"] - 0.693147) > 1e-3
     assert other_metrics["train/loss"] == pytest.approx(whole_metrics["train/loss"], abs=1e-5)
@@ -190,12 +182,12 @@ def test_dpo_with_lora_starts_at_ln2_and_trains_only_the_adapters(
         "dpo.val_period=0",
     )
     trainer = DPO(cfg)
-    before = _params(trainer)
+    before = trainer_params(trainer)
     trainer.train()
     records = [r for r in read_metrics(tmp_path / "logs") if "train/loss" in r]
     assert 0.69314 < records[0]["train/loss"] < 0.69316
     assert records[1]["train/loss"] != pytest.approx(0.693147, abs=1e-5)
-    moved = {n for n, p in _params(trainer).items() if not torch.equal(before[n], p)}
+    moved = {n for n, p in trainer_params(trainer).items() if not torch.equal(before[n], p)}
     assert moved and all("lora" in n for n in moved), sorted(moved)[:5]
 
 

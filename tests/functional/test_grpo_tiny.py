@@ -13,21 +13,24 @@ from rlfleet.logging import read_metrics
 from rlfleet.policy.batch import collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
 from rlfleet.policy.parallelize import is_checkpointed
-from tests.conftest import comparable_metrics, count_logprob_passes, kill_in_step, small_grpo_config
+from tests.conftest import (
+    assert_resumed_run_matches,
+    comparable_metrics,
+    count_logprob_passes,
+    kill_in_step,
+    small_grpo_config,
+    trainer_params,
+)
 
 DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"
-
-
-def _params(trainer: GRPO) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.ctx.policy.model.named_parameters()}
 
 
 def test_two_grpo_steps_change_every_trainable_parameter(tiny_model_dir: Path, tmp_path: Path) -> None:
     cfg = small_grpo_config(tiny_model_dir, tmp_path, "grpo.max_num_steps=2", DENSE)
     trainer = GRPO(cfg)
-    before = _params(trainer)
+    before = trainer_params(trainer)
     trainer.train()
-    after = _params(trainer)
+    after = trainer_params(trainer)
     unchanged = [n for n in before if torch.equal(before[n], after[n])]
     assert not unchanged, f"parameters not updated: {unchanged}"
     records = read_metrics(tmp_path / "logs")
@@ -49,16 +52,14 @@ def test_killed_run_resumes_to_identical_weights_and_metrics(tiny_model_dir: Pat
     assert resumed.ctx.step == 2
     resumed.train()
 
-    for name, p in _params(full).items():
-        torch.testing.assert_close(_params(resumed)[name], p, rtol=0, atol=0, msg=name)
-    a = comparable_metrics(read_metrics(tmp_path / "full" / "logs"))
-    b = comparable_metrics(read_metrics(tmp_path / "resumed" / "logs"))
-    assert a == b
+    assert_resumed_run_matches(full, resumed, tmp_path / "full", tmp_path / "resumed")
 
     # A finished run started again does nothing and keeps its results.
     again = GRPO(small_grpo_config(tiny_model_dir, tmp_path / "resumed", *extra))
     again.train()
-    assert comparable_metrics(read_metrics(tmp_path / "resumed" / "logs")) == a
+    assert comparable_metrics(read_metrics(tmp_path / "resumed" / "logs")) == comparable_metrics(
+        read_metrics(tmp_path / "full" / "logs")
+    )
 
 
 def test_partial_tmp_checkpoint_is_ignored(tiny_model_dir: Path, tmp_path: Path, caplog) -> None:
@@ -139,7 +140,7 @@ def test_activation_checkpointing_gives_the_same_update(tiny_model_dir: Path, tm
         )
         assert is_checkpointed(trainer.ctx.policy.model) == (flag == "true")
         trainer.train()
-        params.append(_params(trainer))
+        params.append(trainer_params(trainer))
     for name, value in params[0].items():
         torch.testing.assert_close(params[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -192,7 +193,7 @@ def test_on_policy_step_without_the_prev_pass_gives_the_same_update(
         calls = count_logprob_passes(trainer)
         trainer.train()
         assert calls == ([False, True] if always_compute_prev else [True])  # (prev,) reference
-        runs.append((_params(trainer), read_metrics(run_dir / "logs")[-1]))
+        runs.append((trainer_params(trainer), read_metrics(run_dir / "logs")[-1]))
     (skipped, m_skipped), (computed, m_computed) = runs
     for name, value in computed.items():
         torch.testing.assert_close(skipped[name], value, rtol=0, atol=1e-6, msg=name)

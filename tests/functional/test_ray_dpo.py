@@ -9,7 +9,7 @@ import pytest
 
 from rlfleet.algorithms.dpo import DPO
 from tests.functional.test_dpo import small_dpo_config
-from tests.functional.test_ray_grpo import RAY, comparable
+from tests.functional.test_ray_grpo import RAY, assert_same_run, comparable
 
 EXACT = (
     "train/sample_reward",
@@ -32,11 +32,5 @@ def run(model_dir: Path, run_dir: Path, *overrides: str) -> list[dict]:
 def test_two_fsdp_workers_match_one_process(ray_cluster: None, tiny_model_dir: Path, tmp_path: Path) -> None:
     single = run(tiny_model_dir, tmp_path / "single")
     two = run(tiny_model_dir, tmp_path / "two", *RAY, "cluster.gpus_per_node=2")
-    assert [r["step"] for r in two] == [r["step"] for r in single]
-    for mine, theirs in zip(two, single, strict=True):
-        assert set(mine) == set(theirs)
-        for key in EXACT:
-            assert mine.get(key) == theirs.get(key), (mine["step"], key)
-        for key in (k for k in CLOSE if k in theirs):
-            assert mine[key] == pytest.approx(theirs[key], rel=2e-3, abs=2e-5), (mine["step"], key)
+    assert_same_run(two, single, EXACT, CLOSE)
     assert single[-1]["train/loss"] != pytest.approx(0.693147, abs=1e-4)  # the second step moved

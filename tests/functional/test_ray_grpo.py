@@ -6,6 +6,7 @@ rollouts (and so the rewards) must be identical and the losses equal within floa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -32,13 +33,16 @@ def run(model_dir: Path, run_dir: Path, *overrides: str) -> list[dict]:
     return comparable(run_dir)
 
 
-def assert_same_run(got: list[dict], expected: list[dict]) -> None:
+def assert_same_run(
+    got: list[dict], expected: list[dict], exact: Sequence[str] = EXACT, close: Sequence[str] = CLOSE
+) -> None:
+    """The same steps and metric keys; ``exact`` metrics equal, ``close`` ones within float rounding."""
     assert [r["step"] for r in got] == [r["step"] for r in expected]
     for mine, theirs in zip(got, expected, strict=True):
         assert set(mine) == set(theirs)
-        for key in EXACT:
+        for key in exact:
             assert mine.get(key) == theirs.get(key), (mine["step"], key)
-        for key in (k for k in CLOSE if k in theirs):
+        for key in (k for k in close if k in theirs):
             assert mine[key] == pytest.approx(theirs[key], rel=2e-3, abs=2e-5), (mine["step"], key)
 
 

@@ -18,7 +18,7 @@ from rlfleet.environments.reward_model import RewardModelEnvironment
 from rlfleet.logging import read_metrics
 from rlfleet.policy.logprobs import token_scores
 from rlfleet.policy.loss_math import last_token_index
-from tests.conftest import comparable_metrics, kill_in_step
+from tests.conftest import assert_resumed_run_matches, kill_in_step, trainer_params
 
 
 def small_pairs(directory: Path) -> Path:
@@ -62,14 +62,10 @@ def small_rm_config(model_dir: Path, run_dir: Path, pairs: Path, *extra: str) ->
     )
 
 
-def _params(trainer: RM) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.ctx.policy.model.named_parameters()}
-
-
 def test_pair_accuracy_rises_on_the_training_pairs(tiny_model_dir: Path, tmp_path: Path, pairs: Path) -> None:
     extra = ("rm.max_num_steps=8", "rm.max_num_epochs=2", "rm.val_period=8", "rm.val_at_start=true")
     trainer = RM(small_rm_config(tiny_model_dir, tmp_path, pairs, *extra))
-    before = _params(trainer)
+    before = trainer_params(trainer)
     trainer.train()
     records = read_metrics(tmp_path / "logs")
     start, end = records[0], records[-1]
@@ -79,7 +75,7 @@ def test_pair_accuracy_rises_on_the_training_pairs(tiny_model_dir: Path, tmp_pat
     assert end["val/loss"] < start["val/loss"]
     assert end["val/rewards_chosen_mean"] > end["val/rewards_rejected_mean"]
     assert end["train/num_pairs"] == 4 and end["train/num_valid_samples"] == 4
-    after = _params(trainer)
+    after = trainer_params(trainer)
     assert not torch.equal(after["score.weight"], before["score.weight"])  # the new head trains
     assert not torch.equal(
         after["model.layers.0.mlp.up_proj.weight"], before["model.layers.0.mlp.up_proj.weight"]
@@ -97,7 +93,7 @@ def test_packed_pairs_give_the_update_of_padded_ones(
     for name, layout in layouts.items():
         trainer = RM(small_rm_config(tiny_model_dir, tmp_path / name, pairs, "rm.val_period=0", *layout))
         trainer.train()
-        runs[name] = (_params(trainer), read_metrics(tmp_path / name / "logs")[-1])
+        runs[name] = (trainer_params(trainer), read_metrics(tmp_path / name / "logs")[-1])
     (padded, padded_metrics), (packed, packed_metrics) = runs["padded"], runs["packed"]
     assert packed_metrics["train/loss"] == pytest.approx(padded_metrics["train/loss"], abs=1e-5)
     assert abs(padded_metrics["train/loss"] - 0.693147) > 1e-3  # the second step moved off the first's
@@ -116,11 +112,7 @@ def test_killed_rm_run_resumes_to_identical_weights_and_metrics(
     resumed = RM(small_rm_config(tiny_model_dir, tmp_path / "resumed", pairs, *extra))
     assert resumed.ctx.step == 2
     resumed.train()
-    for name, p in _params(full).items():
-        torch.testing.assert_close(_params(resumed)[name], p, rtol=0, atol=0, msg=name)
-    a = comparable_metrics(read_metrics(tmp_path / "full" / "logs"))
-    b = comparable_metrics(read_metrics(tmp_path / "resumed" / "logs"))
-    assert a == b
+    assert_resumed_run_matches(full, resumed, tmp_path / "full", tmp_path / "resumed")
 
 
 def test_the_export_is_a_sequence_classifier_the_reward_model_environment_reads(
