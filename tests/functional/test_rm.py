@@ -14,6 +14,7 @@ from rlfleet.algorithms.rm import RM
 from rlfleet.checkpoint import export_hf
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.data.arithmetic import write_arithmetic_pairs
+from rlfleet.data.preferences import PreferenceExample, tokenize_pairs
 from rlfleet.environments.reward_model import RewardModelEnvironment
 from rlfleet.logging import read_metrics
 from rlfleet.policy.logprobs import token_scores
@@ -144,6 +145,12 @@ def test_the_export_is_a_sequence_classifier_the_reward_model_environment_reads(
     torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.tensor(env_scores), mine, rtol=1e-5, atol=1e-5)
     assert len(set(env_scores)) == 3  # the replies score apart
+    # the environment reads the score on the tokens training read it on (a pair's prompt + reply, its EOS
+    # last), not on the chat template's trailing newline after EOS
+    user, (right, wrong) = logs[0][0], (log[1] for log in logs[:2])
+    example = PreferenceExample((user,), (right,), (wrong,), "t")
+    (pair,), _ = tokenize_pairs([example], trainer.ctx.policy.tokenizer, max_total_length=160)
+    assert env.scorer.ids(logs[0]) == [*pair.prompt_ids, *pair.chosen_ids]
 
 
 def test_the_recipe_names_the_command_that_writes_its_pairs_then_validates(

@@ -33,6 +33,7 @@ from rlfleet.data.errors import DataError
 from rlfleet.data.prompts import response_target
 from rlfleet.data.response_dataset import MAX_BAD_ROW_SAMPLES, bad_row_error, json_type
 from rlfleet.data.sources import RawRow, read_rows
+from rlfleet.models.chat import end_at_eos
 
 Messages = tuple[dict[str, str], ...]
 
@@ -311,16 +312,6 @@ def _template_ids(
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _end_at_eos(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[int]:
-    """``ids`` cut after their last EOS when only whitespace follows (``<|im_end|>\\n``), else EOS added."""
-    eos = tokenizer.eos_token_id
-    if eos in ids:
-        last = len(ids) - 1 - ids[::-1].index(eos)
-        if not str(tokenizer.decode(ids[last + 1 :])).strip():
-            return ids[: last + 1]
-    return [*ids, eos]
-
-
 def _reply_ids(
     tokenizer: PreTrainedTokenizerBase,
     prompt: Messages,
@@ -340,7 +331,7 @@ def _reply_ids(
             "the reply cannot be cut out; write each reply as one assistant message, or use a chat template "
             "that renders earlier turns unchanged"
         )
-    return _end_at_eos(tokenizer, full[len(prompt_ids) :])
+    return end_at_eos(tokenizer, full[len(prompt_ids) :])
 
 
 def _prompt_messages(context: Messages, system_prompt: str | None) -> Messages:

@@ -29,6 +29,7 @@ import torch
 
 from rlfleet.config.env_models import RewardModelEnvConfig
 from rlfleet.environments.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
+from rlfleet.models.chat import end_at_eos
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -108,11 +109,12 @@ class RewardModelScorer:
     max_len: int
 
     def ids(self, log: MessageLog) -> list[int]:
-        """The conversation rendered with the reward model's chat template, tokenised."""
+        """The conversation rendered with the reward model's chat template, tokenised, ending at the reply's
+        EOS: where ``rlfleet rm`` trained the score (a template's trailing newline after it is cut)."""
         messages = [{"role": m["role"], "content": m.get("content", "")} for m in log]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False)
         assert isinstance(text, str)  # one conversation renders to one string
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return end_at_eos(self.tokenizer, list(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
 
     @torch.inference_mode()
     def score(self, logs: Sequence[MessageLog]) -> tuple[list[float], list[bool]]:
