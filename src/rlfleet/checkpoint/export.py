@@ -129,24 +129,25 @@ def _load_weights(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], m
         )
 
 
+def _recipe_value(checkpoint_path: Path, keys: tuple[str, ...]) -> Any:
+    """The value at ``keys`` in the recipe saved with the checkpoint, or None where a key is unset."""
+    with (checkpoint_path / CONFIG_FILE).open(encoding="utf-8") as handle:
+        raw: Any = yaml.safe_load(handle) or {}
+    for key in keys:
+        raw = raw.get(key) if isinstance(raw, dict) else None
+    return raw
+
+
 def _is_reward_model(checkpoint_path: Path) -> bool:
     """Whether the recipe saved with the checkpoint trained a reward model (``policy.reward_model_cfg``)."""
-    with (checkpoint_path / CONFIG_FILE).open(encoding="utf-8") as handle:
-        recipe = yaml.safe_load(handle) or {}
-    raw: Any = recipe
-    for key in ("policy", "reward_model_cfg", "enabled"):
-        raw = raw.get(key) if isinstance(raw, dict) else None
-    return raw is True
+    return _recipe_value(checkpoint_path, ("policy", "reward_model_cfg", "enabled")) is True
 
 
 def _lora_from_config(checkpoint_path: Path) -> LoraConfig:
     """``policy.dtensor_cfg.lora_cfg`` of the recipe saved with the checkpoint (defaults where unset)."""
-    with (checkpoint_path / CONFIG_FILE).open(encoding="utf-8") as handle:
-        recipe = yaml.safe_load(handle) or {}
-    raw: Any = recipe
-    for key in ("policy", "dtensor_cfg", "lora_cfg"):
-        raw = raw.get(key) if isinstance(raw, dict) else None
-    return LoraConfig.model_validate(raw or {})
+    return LoraConfig.model_validate(
+        _recipe_value(checkpoint_path, ("policy", "dtensor_cfg", "lora_cfg")) or {}
+    )
 
 
 def peft_adapter_config(lora: LoraConfig, target_modules: list[str], base_model: str) -> dict[str, Any]:
