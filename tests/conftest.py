@@ -255,6 +255,13 @@ def run_cli_process(
     )
 
 
+def _signals_as_in_a_terminal() -> None:
+    """SIGINT at its default in the child, as a terminal's foreground job has it: a suite started in the
+    background (``make test &``, a CI runner, nohup) inherits SIGINT ignored, and Python then leaves it
+    ignored, so Ctrl-C would never reach the run under test."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def signal_when(
     argv: Sequence[str],
     ready: Callable[[], bool],
@@ -275,6 +282,7 @@ def signal_when(
             stdout=subprocess.DEVNULL,
             stderr=stderr,
             start_new_session=group,
+            preexec_fn=_signals_as_in_a_terminal,
         )
 
         def send(what: signal.Signals) -> None:
