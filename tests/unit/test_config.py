@@ -480,6 +480,22 @@ def test_good_config_passes_checks(algorithm: str) -> None:
             "grpo",
             ["policy.generation.colocated.resources.gpus_per_node: got None"],
         ),
+        (
+            [
+                "dpo.sampled_pairs.reward_shaping.enabled=true",
+                "dpo.sampled_pairs.reward_shaping.overlong_buffer_length=100",
+            ],
+            "dpo",
+            ["dpo.sampled_pairs.reward_shaping.overlong_buffer_length=100 exceeds the response limit 64"],
+        ),
+        (
+            [
+                "dpo.sampled_pairs.reward_shaping.enabled=true",
+                "dpo.sampled_pairs.reward_shaping.max_response_length=512",
+            ],
+            "dpo",
+            ["so it would never apply", "fix: dpo.sampled_pairs.reward_shaping.max_response_length=null"],
+        ),
     ],
 )
 def test_each_cross_field_check_names_its_key(
@@ -540,6 +556,11 @@ RM_RAW = [
         ([], "grpo", "policy.reward_model_cfg.enabled=true loads the model as a reward model"),
         (["policy.reward_model_cfg.enabled=false"], "sft", "is preference data"),
         (["data.train_data_path=runs/demo/rm/pairs/train.jsonl"], "rm", "`rlfleet data arithmetic-pairs"),
+        (
+            ["policy.reward_model_cfg.enabled=false", "dpo.sampled_pairs.reward_shaping.enabled=true"],
+            "dpo",
+            "ranks the model's own samples, but data.dataset_name=BinaryPreferenceDataset gives the pairs",
+        ),
     ],
 )
 def test_reward_model_checks_name_their_key(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from rlfleet.algorithms.overlong import OverlongShaping
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
 from rlfleet.config.layout import resource_layout
 from rlfleet.config.preference import DPOConfig
@@ -30,8 +31,14 @@ from rlfleet.memory.planner import ensure_fits, resolve_batching
 from rlfleet.policy.loss_functions import DPOLossFn
 from rlfleet.rollouts.collect import GroupCollector
 from rlfleet.rollouts.evaluate import evaluate
-from rlfleet.rollouts.pairs import PairSource, pair_batch, pair_validation, pairs_from_groups
-from rlfleet.rollouts.rollout import accuracy
+from rlfleet.rollouts.pairs import (
+    PairSource,
+    best_and_worst_of_groups,
+    pair_batch,
+    pair_validation,
+    sampled_pair,
+)
+from rlfleet.rollouts.rollout import Rollout, accuracy
 from rlfleet.runtime.components import micro_batching
 from rlfleet.runtime.loop import RunContext, closing_run, run_loop, start_run, step_seed
 from rlfleet.utils.timing import PhaseTimer
@@ -89,6 +96,7 @@ class DPO:
         self.sampling = SamplingParams(
             generation.max_new_tokens, generation.temperature, generation.top_p, generation.top_k
         )
+        self.shaping = OverlongShaping.of(sampled.reward_shaping, generation.max_new_tokens)
         self.collect = GroupCollector(
             self.ctx.episodes,
             self.ctx.loader,
@@ -96,7 +104,14 @@ class DPO:
             sampled.num_generations_per_prompt,
             self._round_seed,
             (cfg.policy.train_global_batch_size, sampled.max_rounds),
+            self._score,
         )
+
+    def _score(self, rollout: Rollout) -> float:
+        """What ranks a sample within its group: its reward, shaped when the overlong penalty is on."""
+        if self.shaping is None:
+            return rollout.reward
+        return self.shaping.score(rollout.reward, rollout.num_response_tokens)
 
     def _round_seed(self, step: int, round_index: int) -> int:
         return step_seed(self.cfg.dpo.seed, step, salt=0 if round_index == 0 else 1 + round_index)
@@ -143,7 +158,10 @@ class DPO:
         }
         metrics.update({f"timing/{k}": v for k, v in collected.seconds.items()})
         group = self.cfg.dpo.sampled_pairs.num_generations_per_prompt
-        return pairs_from_groups(collected.groups.samples, group), metrics
+        found = best_and_worst_of_groups(collected.groups.samples, group, self._score)
+        if self.shaping is not None:  # pairs whose rewards tie, ranked by the overlong penalty alone
+            metrics["train/length_only_pairs"] = float(sum(c.reward == r.reward for c, r in found))
+        return [sampled_pair(*pair) for pair in found], metrics
 
     def validate(self) -> dict[str, float]:
         if self.source.sampled:

@@ -458,15 +458,8 @@ class GRPOSettings:
 
 
 def overlong_shaping(cfg: MasterConfig) -> OverlongShaping | None:
-    """The overlong penalty ``grpo.reward_shaping`` configures, or None when it is off (its keys are read
-    either way: a key nothing reads would be silently ignored)."""
-    shaping_cfg = cfg.grpo.reward_shaping
-    shaping = OverlongShaping(
-        shaping_cfg.max_response_length or cfg.policy.generation.max_new_tokens,
-        shaping_cfg.overlong_buffer_length,
-        shaping_cfg.overlong_buffer_penalty,
-    )
-    return shaping if shaping_cfg.enabled else None
+    """The overlong penalty ``grpo.reward_shaping`` configures, or None when it is off."""
+    return OverlongShaping.of(cfg.grpo.reward_shaping, cfg.policy.generation.max_new_tokens)
 
 
 def grpo_settings(cfg: MasterConfig, layout: ResourceLayout, batching: ResolvedBatching) -> GRPOSettings:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlfleet.config.shaping import RewardShapingConfig
+
 
 def overlong_penalty(
     lengths: torch.Tensor, max_response_length: int, buffer_length: int, penalty: float
@@ -49,7 +51,22 @@ class OverlongShaping:
     buffer_length: int
     penalty: float
 
+    @classmethod
+    def of(cls, section: RewardShapingConfig, max_new_tokens: int) -> OverlongShaping | None:
+        """The penalty a ``reward_shaping`` section configures, or None when it is off (its keys are read
+        either way: a key nothing reads would be silently ignored)."""
+        shaping = cls(
+            section.max_response_length or max_new_tokens,
+            section.overlong_buffer_length,
+            section.overlong_buffer_penalty,
+        )
+        return shaping if section.enabled else None
+
     def apply(self, rewards: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         return shape_overlong_rewards(
             rewards, lengths, self.max_response_length, self.buffer_length, self.penalty
         )
+
+    def score(self, reward: float, length: int) -> float:
+        """One response's shaped reward."""
+        return float(self.apply(torch.tensor([reward]), torch.tensor([length]))[0])

@@ -35,6 +35,7 @@ from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.metric_names import LOGGED_METRICS, normalize_metric_name
 from rlfleet.config.preference_checks import preference_problems
 from rlfleet.config.schema import BUILTIN_ENVIRONMENTS, MasterConfig
+from rlfleet.config.shaping import shaping_problems
 from rlfleet.utils.intmath import round_up
 
 __all__ = [
@@ -360,21 +361,9 @@ def _dapo_problems(cfg: MasterConfig) -> list[str]:
             "grpo.use_dynamic_sampling=true keeps groups whose rewards differ, which needs "
             f"grpo.num_generations_per_prompt >= 2 (got {g.num_generations_per_prompt}); fix: raise it"
         )
-    rs, new_tokens = g.reward_shaping, cfg.policy.generation.max_new_tokens
-    limit = rs.max_response_length or new_tokens
-    if rs.enabled and rs.overlong_buffer_length > limit:
-        problems.append(
-            f"grpo.reward_shaping.overlong_buffer_length={rs.overlong_buffer_length} exceeds the response "
-            f"limit {limit} (reward_shaping.max_response_length, else policy.generation.max_new_tokens); "
-            f"fix: a buffer of at most {limit} tokens (DAPO: a fifth of the limit, e.g. {max(1, limit // 5)})"
-        )
-    elif rs.enabled and limit - rs.overlong_buffer_length >= new_tokens:
-        problems.append(
-            f"grpo.reward_shaping: the penalty starts after {limit - rs.overlong_buffer_length} tokens "
-            f"(max_response_length {limit} - overlong_buffer_length {rs.overlong_buffer_length}), but "
-            f"responses stop at policy.generation.max_new_tokens={new_tokens}, so it would never apply; fix: "
-            f"grpo.reward_shaping.max_response_length=null (follows max_new_tokens) or a longer buffer"
-        )
+    problems += shaping_problems(
+        g.reward_shaping, "grpo.reward_shaping", cfg.policy.generation.max_new_tokens
+    )
     return problems
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from rlfleet.config.shaping import RewardShapingConfig
 from rlfleet.config.strict import Strict
 
 PREFERENCE_DATASETS = ("PreferenceDataset", "BinaryPreferenceDataset")
@@ -14,12 +15,18 @@ PREFERENCE_DATASETS = ("PreferenceDataset", "BinaryPreferenceDataset")
 class SampledPairsConfig(Strict):
     """Pairs from the model's own samples (when ``data`` is a task rather than a preference dataset): each
     prompt gets ``num_generations_per_prompt`` responses from the current policy, scored by its environment;
-    a prompt whose responses differ in reward gives one pair, its best (chosen) and its worst (rejected)."""
+    a prompt whose responses differ in reward gives one pair, its best (chosen) and its worst (rejected).
+
+    ``reward_shaping`` (GRPO's ``grpo.reward_shaping`` keys, DAPO's overlong penalty) ranks the samples by
+    their shaped reward: among equally scored responses, one that ran into the length buffer loses to one
+    that stopped early, so a prompt whose samples are all wrong still gives a pair when their lengths differ.
+    """
 
     num_generations_per_prompt: int = Field(4, ge=2, description="Responses sampled per prompt.")
     max_rounds: int = Field(
         3, ge=1, description="Rounds of policy.train_global_batch_size prompts to find that many pairs."
     )
+    reward_shaping: RewardShapingConfig = RewardShapingConfig()
 
 
 class DPOConfig(Strict):

@@ -13,6 +13,7 @@ from rlfleet.config.embedded import GENERATED_DATA
 from rlfleet.config.layout import ResourceLayout
 from rlfleet.config.preference import PREFERENCE_DATASETS, REWARD_MODEL_TYPES
 from rlfleet.config.schema import MasterConfig
+from rlfleet.config.shaping import shaping_problems
 from rlfleet.utils.intmath import round_up
 
 PAIR_ALGORITHMS = ("dpo", "rm")  # the algorithms that train on (chosen, rejected) pairs
@@ -31,7 +32,21 @@ def preference_problems(cfg: MasterConfig, algorithm: str, layout: ResourceLayou
         )
     if algorithm in PAIR_ALGORITHMS:
         problems += _pair_problems(cfg, algorithm, layout)
+    if algorithm == "dpo":
+        problems += _sampled_pairs_problems(cfg)
     return problems
+
+
+def _sampled_pairs_problems(cfg: MasterConfig) -> list[str]:
+    """DPO's overlong shaping of its own samples: against the response limit, and only where it samples."""
+    key, shaping = "dpo.sampled_pairs.reward_shaping", cfg.dpo.sampled_pairs.reward_shaping
+    if shaping.enabled and cfg.data.dataset_name in PREFERENCE_DATASETS:
+        return [
+            f"{key}.enabled=true ranks the model's own samples, but data.dataset_name="
+            f"{cfg.data.dataset_name} gives the pairs (nothing is sampled); fix: {key}.enabled=false, or a "
+            "task dataset to sample pairs from"
+        ]
+    return shaping_problems(shaping, key, cfg.policy.generation.max_new_tokens)
 
 
 def _data_problems(cfg: MasterConfig, algorithm: str) -> list[str]:

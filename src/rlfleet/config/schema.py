@@ -19,24 +19,10 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from rlfleet.config.env_models import JudgeEnvConfig, RewardModelEnvConfig
 from rlfleet.config.preference import DPOConfig, RewardModelCfg, RMConfig
+from rlfleet.config.shaping import RewardShapingConfig
 from rlfleet.config.strict import Strict
 
 # --------------------------------------------------------------------------------------------- algorithms
-
-
-class RewardShapingConfig(Strict):
-    """DAPO's overlong reward shaping (NeMo RL ``grpo.reward_shaping``): a response longer than
-    ``max_response_length - overlong_buffer_length`` tokens loses ``overlong_buffer_penalty`` x the share of
-    the buffer it uses, down to ``-overlong_buffer_penalty`` at ``max_response_length``."""
-
-    enabled: bool = Field(False, description="Apply the overlong penalty to the rewards.")
-    overlong_buffer_length: int = Field(
-        128, ge=1, description="Tokens before the limit where the penalty grows."
-    )
-    overlong_buffer_penalty: float = Field(1.0, ge=0.0, description="Penalty at (and beyond) the limit.")
-    max_response_length: int | None = Field(
-        None, ge=1, description="The response limit; null means policy.generation.max_new_tokens."
-    )
 
 
 class AsyncGRPOConfig(Strict):

@@ -53,6 +53,8 @@ class GroupCollector:
         group_size: ``G``, episodes per prompt.
         seed_of: The sampling seed of ``(step, round)``.
         dynamic_sampling: DAPO's ``(target groups, most rounds)``; None keeps every group of one round.
+        score: What makes a group informative under dynamic sampling: its rollouts' scores differ (their
+            rewards unless said otherwise).
     """
 
     def __init__(
@@ -63,10 +65,12 @@ class GroupCollector:
         group_size: int,
         seed_of: Callable[[int, int], int],
         dynamic_sampling: tuple[int, int] | None,
+        score: Callable[[Rollout], float] | None = None,
     ) -> None:
         self.episodes, self.loader = episodes, loader
         self.sampling, self.group_size, self.seed_of = sampling, group_size, seed_of
         self.dynamic_sampling = dynamic_sampling
+        self.score = score or (lambda r: r.reward)
 
     def __call__(self, step: int) -> Collected:
         batches: list[EpisodeBatch] = []
@@ -85,7 +89,7 @@ class GroupCollector:
             target_groups, max_rounds = self.dynamic_sampling
             groups = collect_informative_groups(
                 draw,
-                lambda r: r.reward,
+                self.score,
                 group_size=self.group_size,
                 target_groups=target_groups,
                 max_rounds=max_rounds,

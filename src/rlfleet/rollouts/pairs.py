@@ -8,7 +8,7 @@ training batch interleaves them (rows ``2i`` chosen, ``2i + 1`` rejected), as Ne
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,38 +34,45 @@ from rlfleet.rollouts.rollout import Rollout
 log = logging.getLogger("rlfleet")
 
 
-def best_and_worst(group: Sequence[Rollout]) -> tuple[Rollout, Rollout] | None:
-    """The group's highest-reward and lowest-reward rollouts (the first of each among ties), or None when
-    every reward is equal (no preference)."""
-    best = max(range(len(group)), key=lambda i: (group[i].reward, -i))
-    worst = min(range(len(group)), key=lambda i: (group[i].reward, i))
-    if group[best].reward == group[worst].reward:
+Score = Callable[[Rollout], float]
+"""How a rollout ranks within its group: its reward, or a shaped reward (DPO's overlong penalty)."""
+
+
+def reward_of(rollout: Rollout) -> float:
+    return rollout.reward
+
+
+def best_and_worst(group: Sequence[Rollout], score: Score = reward_of) -> tuple[Rollout, Rollout] | None:
+    """The group's highest-scored and lowest-scored rollouts (the first of each among ties), or None when
+    every score is equal (no preference)."""
+    scores = [score(r) for r in group]
+    best = max(range(len(group)), key=lambda i: (scores[i], -i))
+    worst = min(range(len(group)), key=lambda i: (scores[i], i))
+    if scores[best] == scores[worst]:
         return None
     return group[best], group[worst]
 
 
-def pairs_from_groups(rollouts: Sequence[Rollout], group_size: int) -> list[PreferencePair]:
-    """One pair per group of ``group_size`` contiguous rollouts whose rewards differ: its best response
-    chosen, its worst rejected, in the tokens the model sampled."""
+def best_and_worst_of_groups(
+    rollouts: Sequence[Rollout], group_size: int, score: Score = reward_of
+) -> list[tuple[Rollout, Rollout]]:
+    """``(best, worst)`` of each group of ``group_size`` contiguous rollouts whose scores differ."""
     if len(rollouts) % group_size:
         raise ValueError(f"{len(rollouts)} rollouts do not split into groups of {group_size}")
-    pairs = []
-    for start in range(0, len(rollouts), group_size):
-        found = best_and_worst(rollouts[start : start + group_size])
-        if found is None:
-            continue
-        chosen, rejected = found
-        pairs.append(
-            PreferencePair(
-                chosen.prompt.token_ids,
-                chosen.result.token_ids,
-                rejected.result.token_ids,
-                f"sampled for {chosen.prompt.example.question[:60]!r}",
-                chosen.mask,
-                rejected.mask,
-            )
-        )
-    return pairs
+    found = (best_and_worst(rollouts[i : i + group_size], score) for i in range(0, len(rollouts), group_size))
+    return [pair for pair in found if pair is not None]
+
+
+def sampled_pair(chosen: Rollout, rejected: Rollout) -> PreferencePair:
+    """Two samples of one prompt as a pair, in the tokens the model sampled."""
+    return PreferencePair(
+        chosen.prompt.token_ids,
+        chosen.result.token_ids,
+        rejected.result.token_ids,
+        f"sampled for {chosen.prompt.example.question[:60]!r}",
+        chosen.mask,
+        rejected.mask,
+    )
 
 
 def pair_batch(pairs: Sequence[PreferencePair], pad_token_id: int) -> TrainBatch:
