@@ -10,7 +10,6 @@ import itertools
 import json
 import math
 import os
-import re
 import shutil
 import signal
 from dataclasses import fields
@@ -297,62 +296,6 @@ def test_tensorboard_events_equal_metrics_jsonl_after_resume(
     assert [r["step"] for r in read_metrics(run / "logs")] == [0, 1, 2, 3, 4, 5, 6]
     counts = assert_tensorboard_equals_jsonl(run / "logs")
     assert ("train/loss", 6) in counts and ("val/accuracy", 6) in counts
-
-
-# ------------------------------------------------------------------------------------------------ demo
-
-DEMO_OVERRIDES = [
-    # the SFT stage (the demo routes the sft section there)
-    "sft.max_num_steps=2",
-    "sft.val_at_start=false",
-    "sft.val_period=0",
-    "sft.max_val_samples=8",
-    # the GRPO stage
-    "grpo.max_num_steps=1",
-    "grpo.num_prompts_per_step=4",
-    "grpo.num_generations_per_prompt=4",
-    "grpo.max_val_samples=8",
-    "policy.train_global_batch_size=16",
-    "policy.train_micro_batch_size=16",
-    "policy.logprob_batch_size=16",
-    "policy.generation.max_new_tokens=16",
-    "env.math.num_workers=1",
-    "logger.tensorboard_enabled=false",
-    "logger.progress_bar=false",
-]
-
-
-@pytest.mark.slow
-def test_demo_from_the_command_line(tmp_path: Path) -> None:
-    argv = cli_argv("demo", "--out", str(tmp_path), *DEMO_OVERRIDES)
-    result = run_cli_process(argv)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-
-    sft = read_metrics(tmp_path / "sft" / "logs")
-    assert [r["step"] for r in sft] == [1, 2]  # sft.max_num_steps=2 reached the SFT stage
-    assert (tmp_path / "base_model" / "config.json").is_file()
-    assert (tmp_path / "sft_model" / "config.json").is_file()
-    grpo = read_metrics(tmp_path / "grpo" / "logs")
-    assert [r["step"] for r in grpo] == [0, 1]
-    assert verify_checkpoint(tmp_path / "grpo" / "checkpoints" / "step_1")
-    assert (tmp_path / "grpo" / "logs" / "plot.png").stat().st_size > 0
-
-    out = result.stdout
-    assert "== stage 1/2" in out and "== stage 2/2" in out and "== done" in out
-    match = re.search(r"([\d.]+)% after SFT -> ([\d.]+)% after GRPO", out)
-    assert match, out[-2000:]
-    before, after = (float(x) / 100 for x in match.groups())
-    assert before == pytest.approx(grpo[0]["val/accuracy"], abs=1e-3)
-    assert after == pytest.approx(grpo[-1]["val/accuracy"], abs=1e-3)
-    assert f"metrics:     {tmp_path / 'grpo' / 'logs' / 'metrics.jsonl'}" in out
-
-    # The same command again: both stages are complete, nothing is trained, the numbers are the same.
-    again = run_cli_process(argv)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stderr.count("already complete") == 2
-    assert read_metrics(tmp_path / "grpo" / "logs") == grpo and read_metrics(tmp_path / "sft" / "logs") == sft
-    assert match.group(0) in again.stdout
 
 
 # ------------------------------------------------------------------------------------------ exit codes

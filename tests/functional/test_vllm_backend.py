@@ -41,11 +41,14 @@ def worker(tiny_vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture(scope="module")
 def engine(worker: PolicyWorker) -> Iterator[VLLMGenerationBackend]:
-    backend = VLLMGenerationBackend(
-        worker.model,
-        worker.tokenizer,
-        VLLMSettings(precision="float32", max_model_len=128, seed=0, enforce_eager=True),
+    """The module's engine starts with dummy weights (``load_format=dummy``) and is refitted from the
+    trainer before its first generation, so every comparison below with the HF backend also checks that
+    refit. An engine that loads the weights itself (``auto``) is test_two_grpo_steps_with_the_vllm_backend's.
+    """
+    settings = VLLMSettings(
+        precision="float32", max_model_len=128, seed=0, enforce_eager=True, load_format="dummy"
     )
+    backend = VLLMGenerationBackend(worker.model, worker.tokenizer, settings)
     yield backend
     backend.close()
 
@@ -129,20 +132,6 @@ def test_refit_loads_the_trainers_new_weights(
         engine.refit()
 
 
-def test_dummy_load_format_refits_before_the_first_generation(
-    engine: VLLMGenerationBackend, worker: PolicyWorker, prompts: list[list[int]]
-) -> None:
-    settings = VLLMSettings(
-        precision="float32", max_model_len=128, seed=0, enforce_eager=True, load_format="dummy"
-    )
-    dummy = VLLMGenerationBackend(worker.model, worker.tokenizer, settings)
-    try:
-        first = dummy.generate(prompts, GREEDY, seed=1)
-    finally:
-        dummy.close()
-    assert [r.token_ids for r in first] == [r.token_ids for r in engine.generate(prompts, GREEDY, seed=1)]
-
-
 def test_engine_without_a_model_generates_only_after_load_buckets(
     engine: VLLMGenerationBackend, worker: PolicyWorker, prompts: list[list[int]]
 ) -> None:
@@ -166,8 +155,7 @@ def test_two_grpo_steps_with_the_vllm_backend(tiny_vllm_model_dir: Path, tmp_pat
         tmp_path,
         "grpo.max_num_steps=2",
         "policy.max_total_sequence_length=256",  # the tiny model's context
-        "policy.generation.backend=vllm",
-        "policy.generation.vllm_cfg.load_format=dummy",
+        "policy.generation.backend=vllm",  # vllm_cfg.load_format=auto: the engine loads the weights itself
         "policy.generation.vllm_cfg.enforce_eager=true",
         "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward",
     )
