@@ -71,9 +71,15 @@ def test_first_step_loss_is_ln2_and_training_moves_the_policy_off_its_reference(
 def test_killed_dpo_run_resumes_to_identical_weights_and_metrics(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    extra = ("dpo.max_num_steps=4",)
+    extra = (  # with the overlong penalty ranking the samples: the pairs it picks are resumed as well
+        "dpo.max_num_steps=4",
+        "dpo.sampled_pairs.reward_shaping.enabled=true",
+        "dpo.sampled_pairs.reward_shaping.overlong_buffer_length=4",
+    )
     full = DPO(small_dpo_config(tiny_model_dir, tmp_path / "full", *extra))
     full.train()
+    steps = [r for r in read_metrics(tmp_path / "full" / "logs") if "train/loss" in r]
+    assert all(0 <= r["train/length_only_pairs"] <= r["train/num_pairs"] for r in steps)
     interrupted = DPO(small_dpo_config(tiny_model_dir, tmp_path / "resumed", *extra))
     kill_in_step(interrupted, 3)
     resumed = DPO(small_dpo_config(tiny_model_dir, tmp_path / "resumed", *extra))
