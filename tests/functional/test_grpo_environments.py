@@ -1,5 +1,6 @@
 """Multi-turn GRPO end to end with the tiny model: in one process, with the variants (dynamic sampling,
-packing, LoRA), resumed, with the tools environment on the calculator task, and with the vLLM backend.
+packing, LoRA), resumed, and with the tools environment on the calculator task (with the vLLM backend:
+test_vllm_backend and test_ray_vllm).
 
 The episodes come from ``ScriptedEnv`` (a user's environment named by import path): every episode has
 ``turns`` model turns, each answered by a ``tool`` message, so the multi-turn machinery runs whatever the
@@ -129,22 +130,6 @@ def test_an_unknown_environment_fails_before_the_model_loads(tiny_model_dir: Pat
                 "data.env_name=bad",
             )
         )
-
-
-@pytest.mark.slow
-def test_multi_turn_grpo_with_the_vllm_backend(tiny_vllm_model_dir: Path, tmp_path: Path) -> None:
-    pytest.importorskip("vllm")
-    _, records = train(
-        tiny_vllm_model_dir,
-        tmp_path,
-        *SCRIPTED,
-        *TWO_STEPS,
-        "policy.generation.backend=vllm",
-        "policy.generation.vllm_cfg.load_format=dummy",
-        "policy.generation.vllm_cfg.enforce_eager=true",
-    )
-    steps = [r for r in records if r["step"] > 0]
-    assert all(r["train/turns_per_episode"] == 2.0 and r["train/gen_logprob_error"] < 1e-3 for r in steps)
 
 
 def test_the_readme_environment_example_runs(

@@ -43,7 +43,7 @@ def worker(tiny_vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 def engine(worker: PolicyWorker) -> Iterator[VLLMGenerationBackend]:
     """The module's engine starts with dummy weights (``load_format=dummy``) and is refitted from the
     trainer before its first generation, so every comparison below with the HF backend also checks that
-    refit. An engine that loads the weights itself (``auto``) is test_two_grpo_steps_with_the_vllm_backend's.
+    refit. An engine that loads the weights itself (``auto``) is the GRPO test's at the end.
     """
     settings = VLLMSettings(
         precision="float32", max_model_len=128, seed=0, enforce_eager=True, load_format="dummy"
@@ -149,15 +149,19 @@ def test_engine_without_a_model_generates_only_after_load_buckets(
     assert [r.token_ids for r in first] == [r.token_ids for r in engine.generate(prompts, GREEDY, seed=1)]
 
 
-def test_two_grpo_steps_with_the_vllm_backend(tiny_vllm_model_dir: Path, tmp_path: Path) -> None:
+def test_two_multi_turn_grpo_steps_with_the_vllm_backend(tiny_vllm_model_dir: Path, tmp_path: Path) -> None:
+    """GRPO in one process on the vLLM backend, whose engine loads the weights itself (``load_format=auto``,
+    the default), on episodes of two turns that each stop at a stop string (a single-turn task is a
+    one-turn episode of the same runner): the trainer scores the sampled tokens as the engine did."""
+    from tests.functional.test_grpo_environments import SCRIPTED
+
     cfg = small_grpo_config(
         tiny_vllm_model_dir,
         tmp_path,
         "grpo.max_num_steps=2",
-        "policy.max_total_sequence_length=256",  # the tiny model's context
-        "policy.generation.backend=vllm",  # vllm_cfg.load_format=auto: the engine loads the weights itself
+        "policy.generation.backend=vllm",
         "policy.generation.vllm_cfg.enforce_eager=true",
-        "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward",
+        *SCRIPTED,
     )
     trainer = GRPO(cfg)
     before = {n: p.detach().clone() for n, p in trainer.ctx.policy.model.named_parameters()}
@@ -167,5 +171,7 @@ def test_two_grpo_steps_with_the_vllm_backend(tiny_vllm_model_dir: Path, tmp_pat
     for record in records[1:]:
         assert all(math.isfinite(v) for v in record.values() if isinstance(v, float)), record
         assert record["train/gen_logprob_error"] < 1e-3
+        assert record["train/turns_per_episode"] == 2.0
+    assert records[-1]["val/turns_per_episode"] == 2.0
     assert any(not torch.equal(before[n], p) for n, p in trainer.ctx.policy.model.named_parameters())
     assert not trainer.ctx.policy.closers  # the run closed its engine
