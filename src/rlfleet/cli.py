@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -108,7 +109,7 @@ def check_inputs(cfg: MasterConfig) -> list[str]:
     if not hub and not PairSource.of(cfg.data).sampled:  # preference rows read and checked
         return hub
     rows = [] if hub else [row for split in load_task(cfg.data) for row in split]
-    load_environments(cfg, rows, also=cfg.env.custom())  # configured ones no row names are checked too
+    load_environments(cfg, rows, also=cfg.env.custom(), build=False)  # and configured ones no row names
     return hub
 
 
@@ -320,6 +321,16 @@ def debug_requested(flag: bool) -> bool:
     return flag or os.environ.get(DEBUG_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a pod being stopped), raised in the main thread as Ctrl-C is, so that the run's
+    clean-up runs: generation engines' processes, Ray actors, environment workers, loggers. Python's default
+    for SIGTERM ends the process at once and leaves a vLLM engine's processes running, orphaned."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if argv is None:
@@ -328,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except UserError as exc:
             print(f"rlfleet: {exc}", file=sys.stderr)
             return 2
+        signal.signal(signal.SIGTERM, _raise_terminated)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )
@@ -342,11 +354,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exception(exc, file=sys.stderr)
         print(f"rlfleet: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(
-            "rlfleet: interrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr
-        )
-        return 130
+    except KeyboardInterrupt as exc:
+        how, code = ("terminated", 143) if isinstance(exc, Terminated) else ("interrupted", 130)
+        print(f"rlfleet: {how}; rerun the same command to resume from the last checkpoint", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

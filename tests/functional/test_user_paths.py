@@ -301,7 +301,16 @@ def test_tensorboard_events_equal_metrics_jsonl_after_resume(
 # ------------------------------------------------------------------------------------------ exit codes
 
 
-def test_ctrl_c_exits_130_with_the_resume_hint(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sig", "code", "how"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_ctrl_c_and_sigterm_exit_with_the_resume_hint(
+    tiny_model_dir: Path, tmp_path: Path, sig: signal.Signals, code: int, how: str
+) -> None:
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) and SIGTERM (``kill``, a pod being
+    stopped: to the process only) both end the run through its clean-up, with the resume hint."""
     overrides = [
         *small_grpo_overrides(tiny_model_dir, tmp_path),
         "grpo.val_period=0",
@@ -314,11 +323,11 @@ def test_ctrl_c_exits_130_with_the_resume_hint(tiny_model_dir: Path, tmp_path: P
     def training() -> bool:
         return any(r["step"] >= 1 for r in read_metrics(metrics.parent))
 
-    # SIGINT to the whole process group, reward workers included, as Ctrl-C in a terminal sends it.
-    code, err = signal_when(cli_argv("grpo", GRPO_RECIPE, *overrides), training, signal.SIGINT, group=True)
-    assert code == 130, err[-3000:]
+    group = sig == signal.SIGINT
+    got, err = signal_when(cli_argv("grpo", GRPO_RECIPE, *overrides), training, sig, group=group)
+    assert got == code, err[-3000:]
     assert err.rstrip().splitlines()[-1] == (
-        "rlfleet: interrupted; rerun the same command to resume from the last checkpoint"
+        f"rlfleet: {how}; rerun the same command to resume from the last checkpoint"
     )
     assert "Traceback" not in err
     assert read_metrics(metrics.parent)[-1]["step"] < 400  # stopped early

@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("vllm")
 
 from rlfleet.algorithms.grpo import GRPO
+from rlfleet.environments.judge import JudgeEnvironment, LocalJudge
 from rlfleet.generation import HFGenerationBackend
 from rlfleet.generation.interface import GenerationResult, SamplingParams
 from rlfleet.generation.sampling import row_seeds
@@ -147,6 +148,23 @@ def test_engine_without_a_model_generates_only_after_load_buckets(
     finally:
         receiving.close()
     assert [r.token_ids for r in first] == [r.token_ids for r in engine.generate(prompts, GREEDY, seed=1)]
+
+
+def test_a_vllm_judge_gives_the_hf_judges_verdicts_and_stops_its_engine(tiny_vllm_model_dir: Path) -> None:
+    """``env.judge.backend=vllm``: the judge model in a vLLM engine of its own, greedy, as the HF judge."""
+    settings = {"model_name": str(tiny_vllm_model_dir), "max_new_tokens": 10, "batch_size": 4}
+    hf = JudgeEnvironment(settings)
+    on_vllm = JudgeEnvironment(
+        {**settings, "backend": "vllm", "max_model_len": 256, "vllm_kwargs": {"enforce_eager": True}}
+    )
+    try:
+        assert isinstance(on_vllm.judge, LocalJudge)
+        assert isinstance(on_vllm.judge.backend, VLLMGenerationBackend)
+        asks = ["Grade: What is 3 + 4? 7", "Grade: 7 - 3 = 5", "Score the sum of 12 and 9"]
+        assert on_vllm.judge.verdicts(asks) == hf.judge.verdicts(asks)
+    finally:
+        on_vllm.close()
+    assert on_vllm.judge.backend.llm is None  # the engine's processes are stopped
 
 
 def test_two_multi_turn_grpo_steps_with_the_vllm_backend(tiny_vllm_model_dir: Path, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import re
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -24,8 +25,9 @@ from rlfleet.environments import EnvironmentLoadError, build_environment
 from rlfleet.environments.interface import split_return
 from rlfleet.environments.judge import JudgeEnvironment, parse_score, render_rubric
 from rlfleet.environments.reward_model import RewardModelEnvironment, keep_last
+from rlfleet.environments.runner import preflight_environment
 from rlfleet.models.tiny import TinyModelSpec, create_tiny_model, train_tokenizer
-from rlfleet.rollouts.environments import environment_settings
+from rlfleet.rollouts.environments import environment_settings, load_environments
 from tests.conftest import save_tiny_reward_model
 
 CORPUS = ["user assistant system question answer the sum of 12 and 30 is 42 Score: 7 good bad slow broken"]
@@ -120,6 +122,42 @@ def test_the_reward_model_section_validates_offline_and_reaches_the_environment(
     assert RewardModelEnvConfig.model_validate(settings) == cfg.env.reward_model
     path, settings, workers, timeout_s = environment_settings(cfg, "judge")
     assert JudgeEnvConfig.model_validate(settings) == cfg.env.judge and timeout_s == cfg.env.judge.timeout_s
+
+
+def test_validate_checks_the_scoring_environments_without_loading_their_models(
+    reward_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rlfleet validate`` (``load_environments(build=False)``) and a run on Ray (the model loads in the
+    environment's actor) check a reward model's config and tokenizer and a judge's settings, and load
+    no weights: a reward model directory without its weights passes, a head of two labels does not."""
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(reward_model_dir, no_weights)
+    for weights in no_weights.glob("*.safetensors"):
+        weights.unlink()
+    preflight_environment("reward_model", {"model_name": str(no_weights)})
+    with pytest.raises(OSError):
+        build_environment("reward_model", {"model_name": str(no_weights)})
+    two = save_tiny_reward_model(tmp_path / "two", train_tokenizer(CORPUS, 300), num_labels=2)
+    with pytest.raises(EnvironmentLoadError, match=r"num_labels=2"):
+        preflight_environment("reward_model", {"model_name": str(two)})
+    monkeypatch.delenv(KEY_VARIABLE, raising=False)
+    served = {"model_name": "judge", "base_url": "http://127.0.0.1:9/v1", "api_key_env": KEY_VARIABLE}
+    with pytest.raises(EnvironmentLoadError, match=rf"{KEY_VARIABLE} is not set"):
+        preflight_environment("judge", served)
+    preflight_environment("judge", {"model_name": str(no_weights)})  # its tokenizer has a chat template
+
+    cfg = MasterConfig.model_validate(
+        {
+            "data": {"env_name": "reward_model"},
+            "env": {"reward_model": {"model_name": str(no_weights), "resources": {"gpus_per_node": 1}}},
+        }
+    )
+    checked = load_environments(cfg, [], build=False)["reward_model"]
+    assert checked.environment is None and checked.actor_gpus is None
+    in_actor = load_environments(cfg, [], on_ray=True)["reward_model"]
+    assert in_actor.environment is None and in_actor.actor_gpus == 1
+    with pytest.raises(ValidationError, match="num_nodes"):
+        RewardModelEnvConfig.model_validate({"resources": {"num_nodes": 2}})
 
 
 # ----------------------------------------------------------------------------------------------- judge

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlfleet.config import ConfigError, MasterConfig
+from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.layout import resource_layout
 from rlfleet.data import load_task, resolve_system_prompt
 from rlfleet.environments.runner import EnvRunner
@@ -81,7 +82,8 @@ def run_eval(
     eval_cfg, gen = cfg.eval, cfg.policy.generation
     examples = load_task(cfg.data)  # every data row checked before the model loads
     layout = resource_layout(cfg)
-    environments = load_environments(cfg, [*examples[0], *examples[1]])  # a bad one fails here
+    rows, on_ray = [*examples[0], *examples[1]], uses_ray(cfg, layout=layout)
+    environments = load_environments(cfg, rows, on_ray=on_ray)  # a bad one fails here
     policy, backend = build_policy(cfg, layout, seed=eval_cfg.seed, keep_reference=False)
     runners: dict[str, EnvRunner] = {}
     try:
@@ -90,9 +92,7 @@ def run_eval(
             policy.load_weights(checkpoint)
             backend.refit()
         limit = eval_cfg.max_val_samples or 10**9
-        prompts = load_prompts(
-            cfg, policy.tokenizer, limit, examples, tools=prompt_tools(cfg, environments)
-        ).val
+        prompts = load_prompts(cfg, policy.tokenizer, limit, examples, tools=prompt_tools(cfg, runners)).val
         n, greedy = eval_cfg.num_tests_per_prompt, eval_cfg.num_tests_per_prompt == 1
         params = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k, greedy=greedy)
         system_prompt = resolve_system_prompt(cfg.data)

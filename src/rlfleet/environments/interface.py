@@ -9,9 +9,10 @@ every episode on its first step; a tool task answers tool calls until the model 
 A user's environment is a subclass named by import path in the recipe
 (``env.<name>.environment: my_pkg.envs:MyEnv``), constructed with the ``env.<name>.cfg`` dict.
 
-Differences from NeMo RL, both additive: ``rewards`` may also be a plain list of floats, and an environment
-may set :attr:`EnvironmentInterface.stop_strings` for the model's first turn (NeMo RL reads those from the
-data) and :attr:`EnvironmentInterface.tools` (schemas the chat template renders into the prompt).
+Differences from NeMo RL, all additive: ``rewards`` may also be a plain list of floats; an environment may
+set :attr:`EnvironmentInterface.stop_strings` for the model's first turn (NeMo RL reads those from the data)
+and :attr:`EnvironmentInterface.tools` (schemas the chat template renders into the prompt); a class may
+override :meth:`EnvironmentInterface.preflight` (checks without loading) and define ``close()``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,15 @@ class EnvironmentInterface(abc.ABC, Generic[MetadataT]):
 
     def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
         self.cfg = dict(cfg or {})
+
+    @classmethod
+    def preflight(cls, cfg: Mapping[str, Any]) -> None:
+        """Raises what the constructor would raise for ``cfg``, before anything expensive starts.
+
+        The default builds an instance and drops it. A class whose constructor loads a model overrides it
+        with the checks that load none (``rlfleet validate``, and a run that builds the class elsewhere, in
+        a Ray actor, call this)."""
+        cls(cfg)
 
     @abc.abstractmethod
     def step(

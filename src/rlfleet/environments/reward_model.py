@@ -9,8 +9,10 @@ min_reward,max_reward}`` of the step's returns, logged as ``train/env/<name>/rew
 
 How it departs from NeMo RL:
 
-* It runs in the trainer process, on its GPU when it has one (NeMo RL gives the reward model its own GPUs
-  and a policy worker); it is built once, when the environments are loaded, so a bad model fails first.
+* In a one-process run it scores in the trainer process, on its GPU when it has one; on a Ray run, in a Ray
+  actor of its own with ``resources.gpus_per_node`` GPUs, as NeMo RL gives the reward model its own worker.
+  Its settings, config and tokenizer are checked before anything expensive starts (``preflight``); the
+  weights load once, where it scores.
 * Each conversation is rendered with the reward model's own chat template and tokenised with its own
   tokenizer: its vocabulary need not be the policy's.
 * A conversation longer than ``max_model_len`` tokens keeps its last ``max_model_len`` (the reply's end,
@@ -42,6 +44,7 @@ __all__ = [
     "keep_last",
     "load_reward_model",
     "reward_metrics",
+    "reward_model_tokenizer",
     "right_padded",
 ]
 
@@ -136,6 +139,28 @@ class RewardModelScorer:
         return scores, list(truncated)
 
 
+def reward_model_tokenizer(settings: RewardModelEnvConfig) -> PreTrainedTokenizerBase:
+    """The checks of :func:`load_reward_model` that load no weights: the model's config has one label, and
+    its tokenizer (``settings.tokenizer.name`` when set) a chat template. Returns the tokenizer.
+
+    Raises:
+        ValueError: The model has ``num_labels != 1``, or its tokenizer has no chat template.
+        ModelLoadError: The model's config or tokenizer cannot be found.
+    """
+    from rlfleet.models.loading import load_config, load_tokenizer
+
+    name = settings.model_name
+    check_one_label(name, load_config(name).num_labels)
+    tokenizer = load_tokenizer(settings.tokenizer.name or name)
+    if not tokenizer.chat_template:
+        raise ValueError(
+            f"the reward model's tokenizer {settings.tokenizer.name or name!r} has no chat template, so a "
+            "conversation cannot be rendered as the model was trained to read it; fix: "
+            "env.reward_model.tokenizer.name=<a tokenizer with the reward model's chat template>"
+        )
+    return tokenizer
+
+
 def load_reward_model(settings: RewardModelEnvConfig) -> RewardModelScorer:
     """Loads ``settings.model_name`` (its config first, so a head of several labels fails before the weights
     load) and its tokenizer (``settings.tokenizer.name`` when set).
@@ -147,20 +172,12 @@ def load_reward_model(settings: RewardModelEnvConfig) -> RewardModelScorer:
     # transformers' model code is imported here, not with the package: environment workers stay light
     from transformers import AutoModelForSequenceClassification
 
-    from rlfleet.models.loading import DTYPES, load_config, load_tokenizer, resolve_model_path
+    from rlfleet.models.loading import DTYPES, resolve_model_path
 
-    name = settings.model_name
-    check_one_label(name, load_config(name).num_labels)
-    tokenizer = load_tokenizer(settings.tokenizer.name or name)
-    if not tokenizer.chat_template:
-        raise ValueError(
-            f"the reward model's tokenizer {settings.tokenizer.name or name!r} has no chat template, so a "
-            "conversation cannot be rendered as the model was trained to read it; fix: "
-            "env.reward_model.tokenizer.name=<a tokenizer with the reward model's chat template>"
-        )
+    tokenizer = reward_model_tokenizer(settings)
     device = scoring_device()
     model = AutoModelForSequenceClassification.from_pretrained(
-        resolve_model_path(name), dtype=DTYPES[scoring_precision(settings.precision, device)]
+        resolve_model_path(settings.model_name), dtype=DTYPES[scoring_precision(settings.precision, device)]
     )
     if model.config.pad_token_id is None:  # the head reads each row at its last non-padding token
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -195,13 +212,23 @@ class RewardModelEnvironment(EnvironmentInterface[dict[str, Any]]):
 
     def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
         super().__init__(cfg)
-        settings = RewardModelEnvConfig.model_validate(self.cfg)
+        self.scorer = load_reward_model(self._checked(self.cfg))
+
+    @classmethod
+    def preflight(cls, cfg: Mapping[str, Any]) -> None:
+        """The constructor's checks without loading the weights (the config's label count, the tokenizer's
+        chat template)."""
+        reward_model_tokenizer(cls._checked(cfg))
+
+    @staticmethod
+    def _checked(cfg: Mapping[str, Any]) -> RewardModelEnvConfig:
+        settings = RewardModelEnvConfig.model_validate(dict(cfg))
         if not settings.model_name.strip():
             raise ValueError(
                 "env.reward_model.model_name is empty; fix: the hub id or local directory of a reward model "
                 "(AutoModelForSequenceClassification with num_labels=1)"
             )
-        self.scorer = load_reward_model(settings)
+        return settings
 
     def step(
         self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any]]

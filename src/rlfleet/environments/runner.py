@@ -17,7 +17,8 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -74,8 +75,23 @@ def build_environment(path: str, cfg: Mapping[str, Any]) -> EnvironmentInterface
             import), unchanged.
     """
     cls = environment_class(path)
-    try:
+    with _construction_errors(path, cfg):
         return cls(dict(cfg))
+    raise AssertionError("unreachable")  # mypy: the context manager may swallow (it never does)
+
+
+def preflight_environment(path: str, cfg: Mapping[str, Any]) -> None:
+    """What :func:`build_environment` would raise for ``cfg``, found by the class's ``preflight`` (no model
+    loaded by the built-in classes that score with one)."""
+    cls = environment_class(path)
+    with _construction_errors(path, cfg):
+        cls.preflight(dict(cfg))
+
+
+@contextmanager
+def _construction_errors(path: str, cfg: Mapping[str, Any]) -> Iterator[None]:
+    try:
+        yield
     except UserError:
         raise  # it says what to fix already (a reward function that does not import, say)
     except Exception as exc:
@@ -170,7 +186,10 @@ class InProcessRunner:
             )
 
     def close(self) -> None:
-        """Nothing to stop."""
+        """Closes the environment when it has something to stop (``close()``: a judge's vLLM engine)."""
+        close = getattr(self.environment, "close", None)
+        if callable(close):
+            close()
 
 
 class PooledRunner:

@@ -4,11 +4,13 @@ Every run rolls out episodes (:mod:`rlfleet.rollouts.episodes`) with the environ
 default one (``data.env_name``, ``math`` unless set) and those rows name (``task_name``). A single-turn math
 task is a one-turn episode of ``math``, scored in ``env.math.num_workers`` worker processes (Ray actors on
 Ray), each step within ``env.math.timeout_s``. The environments that score with a model (``reward_model``,
-``judge``) step in the trainer, a step's conversations in one batch.
+``judge``) step a step's conversations in one batch: in the trainer in a one-process run, in a Ray actor of
+their own (``env.<name>.resources``) on a Ray run, where the trainer never loads their model.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
@@ -19,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlfleet.config import MasterConfig
 from rlfleet.config.capabilities import uses_ray
-from rlfleet.config.env_models import JudgeEnvConfig, RewardModelEnvConfig
+from rlfleet.config.env_models import JudgeEnvConfig, RewardModelEnvConfig, ScorerResources
 from rlfleet.config.layout import ResourceLayout
 from rlfleet.data import Example
 from rlfleet.environments.builtin import BUILTIN
@@ -31,11 +33,14 @@ from rlfleet.environments.runner import (
     PooledRunner,
     build_environment,
     checked_outcome,
+    preflight_environment,
 )
 from rlfleet.errors import UserError
 from rlfleet.generation import GenerationBackend
 from rlfleet.rollouts.episodes import EpisodeRunner
 from rlfleet.workers import ProcessWorkerPool, WorkerPool
+
+log = logging.getLogger(__name__)
 
 
 def environment_settings(cfg: MasterConfig, name: str) -> tuple[str, dict[str, Any], int, float]:
@@ -103,7 +108,17 @@ def _judge_settings(judge: JudgeEnvConfig) -> dict[str, Any]:
         "max_new_tokens": judge.max_new_tokens,
         "batch_size": judge.batch_size,
         "timeout_s": judge.timeout_s,
+        "backend": judge.backend,
+        "max_model_len": judge.max_model_len,
+        "gpu_memory_utilization": judge.gpu_memory_utilization,
+        "vllm_kwargs": dict(judge.vllm_kwargs),
     }
+
+
+def actor_resources(cfg: MasterConfig, name: str) -> ScorerResources | None:
+    """The Ray actor ``env.<name>`` steps in on a Ray run (an environment that scores with a model), else
+    None (it steps in the trainer or in its workers)."""
+    return {"reward_model": cfg.env.reward_model.resources, "judge": cfg.env.judge.resources}.get(name)
 
 
 def environment_names(cfg: MasterConfig, examples: Iterable[Example]) -> list[str]:
@@ -128,21 +143,32 @@ def _pool(cfg: MasterConfig, layout: ResourceLayout, workers: int, timeout_s: fl
 
 @dataclass(frozen=True)
 class LoadedEnvironment:
-    """One ``env.<name>`` of the recipe, its class built (the trainer's own instance) and where it steps."""
+    """One ``env.<name>`` of the recipe, checked, and where it steps.
+
+    ``environment`` is the trainer's own instance; None for one that is built in its Ray actor (and in
+    ``rlfleet validate``, which builds nothing that loads a model)."""
 
     name: str
     path: str  # class path, or a built-in name
     settings: dict[str, Any]  # the constructor's cfg
-    num_workers: int  # 0: steps in the trainer
+    num_workers: int  # 0: steps in the trainer (or in its actor)
     timeout_s: float
-    environment: EnvironmentInterface[Any]
+    environment: EnvironmentInterface[Any] | None
+    actor_gpus: int | None = None  # set: steps in a Ray actor of its own holding that many GPUs
 
 
 def load_environments(
-    cfg: MasterConfig, examples: Iterable[Example], also: Iterable[str] = ()
+    cfg: MasterConfig,
+    examples: Iterable[Example],
+    also: Iterable[str] = (),
+    *,
+    on_ray: bool = False,
+    build: bool = True,
 ) -> dict[str, LoadedEnvironment]:
     """The environments the rows use (the default one for rows naming none) and those named in ``also``,
-    each class built once here, so that a bad name, path or cfg fails before anything expensive starts.
+    each checked here, so that a bad name, path or cfg fails before anything expensive starts: built once
+    (the trainer's instance), or with ``on_ray`` for one that steps in its Ray actor, and without ``build``
+    for all, only checked by the class's ``preflight`` (no model loaded).
 
     Raises:
         UserError: A row or ``data.env_name`` names an environment the recipe does not configure.
@@ -151,35 +177,56 @@ def load_environments(
     loaded = {}
     for name in sorted({*environment_names(cfg, examples), *also}):
         path, settings, workers, timeout_s = environment_settings(cfg, name)
-        environment = build_environment(path, settings)
-        loaded[name] = LoadedEnvironment(name, path, settings, workers, timeout_s, environment)
+        resources = actor_resources(cfg, name)
+        wanted = resources.gpus_per_node * resources.num_nodes if resources is not None else None
+        if wanted and not on_ray:
+            log.warning(
+                "env.%s.resources asks for %d GPU(s) for the environment's Ray actor, but this run is not on "
+                "Ray: it scores in the trainer, on the trainer's device",
+                name,
+                wanted,
+            )
+        gpus = wanted if on_ray else None
+        environment = None
+        if build and gpus is None:
+            environment = build_environment(path, settings)
+        else:
+            preflight_environment(path, settings)
+        loaded[name] = LoadedEnvironment(name, path, settings, workers, timeout_s, environment, gpus)
     return loaded
+
+
+def _runner(cfg: MasterConfig, layout: ResourceLayout, env: LoadedEnvironment) -> EnvRunner:
+    if env.actor_gpus is not None:
+        from rlfleet.environments.ray_runner import RayActorRunner  # the ray extra
+
+        return RayActorRunner(env.name, env.path, env.settings, num_gpus=env.actor_gpus)
+    if env.environment is None:
+        raise ValueError(f"environment {env.name} was checked, not built (load_environments(build=False))")
+    if env.num_workers == 0:
+        return InProcessRunner(env.name, env.environment)
+    pool = _pool(cfg, layout, env.num_workers, env.timeout_s)
+    return PooledRunner(env.name, env.path, env.settings, env.environment, pool)
 
 
 def start_runners(
     cfg: MasterConfig, layout: ResourceLayout, environments: Mapping[str, LoadedEnvironment]
 ) -> dict[str, EnvRunner]:
-    """A runner per environment: in the trainer (``num_workers=0``), else in worker processes (Ray actors
-    when the run is on Ray: start them once Ray is up, after the policy). The caller owns the workers:
-    :func:`close_runners` stops them."""
+    """A runner per environment: in the trainer (``num_workers=0``), in worker processes, or in a Ray actor
+    of its own (start them once Ray is up, after the policy). The caller owns them: :func:`close_runners`
+    stops them."""
     runners: dict[str, EnvRunner] = {}
     with ExitStack() as started:
         for name, env in environments.items():
-            if env.num_workers == 0:
-                runners[name] = InProcessRunner(name, env.environment)
-                continue
-            pool = _pool(cfg, layout, env.num_workers, env.timeout_s)
-            started.callback(pool.close)
-            runners[name] = PooledRunner(name, env.path, env.settings, env.environment, pool)
+            runners[name] = _runner(cfg, layout, env)
+            started.callback(runners[name].close)
         started.pop_all()
     return runners
 
 
-def prompt_tools(
-    cfg: MasterConfig, environments: Mapping[str, LoadedEnvironment]
-) -> Sequence[Mapping[str, Any]] | None:
+def prompt_tools(cfg: MasterConfig, runners: Mapping[str, EnvRunner]) -> Sequence[Mapping[str, Any]] | None:
     """The tool schemas the prompts render: the default environment's (None for ``math``)."""
-    return environments[cfg.data.env_name].environment.tools
+    return runners[cfg.data.env_name].environment.tools
 
 
 def build_episode_runner(

@@ -16,6 +16,7 @@ from typing import Any
 
 from rlfleet.checkpoint import CheckpointManager
 from rlfleet.config import MasterConfig, config_to_yaml
+from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.layout import ResourceLayout
 from rlfleet.data import ResumableLoader, load_task, resolve_system_prompt
 from rlfleet.generation import GenerationBackend
@@ -130,14 +131,16 @@ def start_run(
     examples = load_task(cfg.data) if task else ([], [])
     with ExitStack() as started:
         # every environment class is built once here: a bad one fails before any model loads
-        environments = load_environments(cfg, [*examples[0], *examples[1]]) if generation else {}
+        rows = [*examples[0], *examples[1]]
+        on_ray = uses_ray(cfg, layout=layout)
+        environments = load_environments(cfg, rows, on_ray=on_ray) if generation else {}
         policy, backend = build_policy(
             cfg, layout, seed=seed, keep_reference=keep_reference, generation=generation
         )
         started.callback(policy.close)
         runners = start_runners(cfg, layout, environments)  # on Ray: once the policy has started it
         started.callback(close_runners, runners)
-        tools = prompt_tools(cfg, environments) if environments else None
+        tools = prompt_tools(cfg, runners) if runners else None
         data = load_prompts(cfg, policy.tokenizer, max_val_samples, examples, tools=tools)
         system_prompt = resolve_system_prompt(cfg.data)
         episodes = build_episode_runner(cfg, backend, policy.tokenizer, runners, system_prompt)
