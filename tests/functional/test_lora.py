@@ -139,7 +139,13 @@ def test_in_process_generation_uses_the_adapters_and_merged_weights_match_it(tin
 @pytest.mark.slow
 def test_vllm_engine_receives_merged_weights(tiny_vllm_model_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    cfg = small_grpo_config(tiny_vllm_model_dir, tmp_path, ENABLE, "policy.generation.backend=vllm")
+    cfg = small_grpo_config(
+        tiny_vllm_model_dir,
+        tmp_path,
+        ENABLE,
+        "policy.generation.backend=vllm",
+        "policy.generation.vllm_cfg.enforce_eager=true",  # on CPU: a start in half the time
+    )
     worker = _lora_worker(tiny_vllm_model_dir)
     engine = build_backend(cfg, worker, seed=0)
     try:
