@@ -14,7 +14,8 @@ environment's constructor for a row's ``task_name``).
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar
 
 from pydantic import Field, field_validator
 
@@ -27,6 +28,7 @@ __all__ = [
     "JudgeEnvConfig",
     "RewardModelEnvConfig",
     "ScorerResources",
+    "named_model_settings",
 ]
 
 DEFAULT_RUBRIC = (
@@ -174,3 +176,20 @@ class JudgeEnvConfig(Strict):
         if url and not url.startswith(("http://", "https://")):
             raise ValueError(f"{url!r} is not an http(s) URL; e.g. http://localhost:8000/v1, or empty")
         return url.rstrip("/")
+
+
+SettingsT = TypeVar("SettingsT", RewardModelEnvConfig, JudgeEnvConfig)
+
+
+def named_model_settings(
+    schema: type[SettingsT], cfg: Mapping[str, Any], section: str, fix: str
+) -> SettingsT:
+    """``cfg`` (an environment's constructor cfg) validated as ``schema``, whose ``model_name`` must be set.
+
+    Raises:
+        ValueError: A bad key or value, or an empty ``model_name`` (the message ends with ``fix``).
+    """
+    settings = schema.model_validate(dict(cfg))
+    if not settings.model_name.strip():
+        raise ValueError(f"env.{section}.model_name is empty; fix: {fix}")
+    return settings

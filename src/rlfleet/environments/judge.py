@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rlfleet.config.env_models import JudgeEnvConfig
+from rlfleet.config.env_models import JudgeEnvConfig, named_model_settings
 from rlfleet.environments.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
 
 if TYPE_CHECKING:
@@ -344,12 +344,13 @@ class JudgeEnvironment(EnvironmentInterface[dict[str, Any]]):
 
     @staticmethod
     def _checked(cfg: Mapping[str, Any]) -> JudgeEnvConfig:
-        settings = JudgeEnvConfig.model_validate(dict(cfg))
-        if not settings.model_name.strip():
-            raise ValueError(
-                "env.judge.model_name is empty; fix: the judge's hub id or local directory, or with "
-                "env.judge.base_url the model name its server serves"
-            )
+        settings = named_model_settings(
+            JudgeEnvConfig,
+            cfg,
+            "judge",
+            "the judge's hub id or local directory, or with env.judge.base_url the model name its server "
+            "serves",
+        )
         if settings.api_key_env is not None and not settings.base_url:
             raise ValueError(
                 f"env.judge.api_key_env={settings.api_key_env!r} but env.judge.base_url is empty: the "

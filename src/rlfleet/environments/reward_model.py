@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlfleet.config.env_models import RewardModelEnvConfig
+from rlfleet.config.env_models import RewardModelEnvConfig, named_model_settings
 from rlfleet.environments.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
 from rlfleet.models.chat import end_at_eos
 
@@ -222,13 +222,13 @@ class RewardModelEnvironment(EnvironmentInterface[dict[str, Any]]):
 
     @staticmethod
     def _checked(cfg: Mapping[str, Any]) -> RewardModelEnvConfig:
-        settings = RewardModelEnvConfig.model_validate(dict(cfg))
-        if not settings.model_name.strip():
-            raise ValueError(
-                "env.reward_model.model_name is empty; fix: the hub id or local directory of a reward model "
-                "(AutoModelForSequenceClassification with num_labels=1)"
-            )
-        return settings
+        return named_model_settings(
+            RewardModelEnvConfig,
+            cfg,
+            "reward_model",
+            "the hub id or local directory of a reward model (AutoModelForSequenceClassification with "
+            "num_labels=1)",
+        )
 
     def step(
         self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any]]
