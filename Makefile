@@ -74,10 +74,14 @@ train-rm: $(STAMP)
 	$(BIN)/rlfleet data arithmetic-pairs runs/demo/rm/pairs
 	$(BIN)/rlfleet rm rm-tiny-arithmetic-cpu $(ARGS)
 
+# Two pytest-xdist workers, each taking a whole test file (its module fixtures, such as a shared engine, stay
+# in one process); TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
+
 test: $(DEV_STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
-	$(BIN)/python -m pytest --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # The developer's inner loop, under 2 minutes on 2 cores: lint, the unit tests and the cheapest functional
 # tests (no Ray, vLLM or training run). `make test` runs everything, as CI does.

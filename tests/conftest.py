@@ -34,7 +34,14 @@ from rlfleet.policy.worker import OptimizerSettings
 os.environ["RLFLEET_MEMORY_CHECK"] = "off"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# `make test` runs the suite in two pytest-xdist workers (one file per worker at a time): each worker keeps to
+# one thread, and so do the processes it starts (CLI runs, Ray's workers), so two tests share two cores
+# instead of four threads fighting over them. Run alone, a test process keeps two threads.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
 
 # The seed tutorial's overrides, character for character (REFERENCE.md section 1).
 SEED_COMMAND_LINE = """
