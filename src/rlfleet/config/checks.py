@@ -29,6 +29,7 @@ from typing import Literal
 from rlfleet.config.backends import BACKENDS, GenerationBackendInfo, backend_of
 from rlfleet.config.batching import PASSES, budget_key, recipe_budget, token_budget_section
 from rlfleet.config.capabilities import needs_several_processes, uses_ray
+from rlfleet.config.distillation_checks import distillation_problems
 from rlfleet.config.embedded import DEMO_COMMANDS, DEMO_TASKS
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.layout import ResourceLayout, resource_layout
@@ -47,7 +48,7 @@ __all__ = [
     "unsupported_settings",
 ]
 
-Algorithm = Literal["grpo", "sft", "dpo", "rm"]
+Algorithm = Literal["grpo", "sft", "dpo", "rm", "distillation"]
 
 # ------------------------------------------------------------------------------------------- entry points
 
@@ -58,8 +59,10 @@ def check_config(cfg: MasterConfig, algorithm: Algorithm, *, layout: ResourceLay
 
     Args:
         cfg: The validated config.
-        algorithm: ``"grpo"``, ``"sft"``, ``"dpo"`` or ``"rm"``; the GRPO-only checks run for ``"grpo"``
-            only, those of pairs and reward models (:mod:`rlfleet.config.preference_checks`) for theirs.
+        algorithm: ``"grpo"``, ``"sft"``, ``"dpo"``, ``"rm"`` or ``"distillation"``; the GRPO-only checks
+            run for ``"grpo"`` only, those of pairs and reward models
+            (:mod:`rlfleet.config.preference_checks`) and of distillation
+            (:mod:`rlfleet.config.distillation_checks`) for theirs.
         layout: ``resource_layout(cfg)`` when the caller has it already; computed here if not.
 
     Raises:
@@ -68,7 +71,7 @@ def check_config(cfg: MasterConfig, algorithm: Algorithm, *, layout: ResourceLay
     if algorithm not in LOGGED_METRICS:
         raise ConfigError(
             f"algorithm: got {algorithm!r}, expected one of {', '.join(sorted(LOGGED_METRICS))}; "
-            "fix: pass 'grpo', 'sft', 'dpo' or 'rm'"
+            "fix: pass 'grpo', 'sft', 'dpo', 'rm' or 'distillation'"
         )
     layout = layout if layout is not None else resource_layout(cfg)
     problems = section_problems(cfg)
@@ -76,6 +79,7 @@ def check_config(cfg: MasterConfig, algorithm: Algorithm, *, layout: ResourceLay
     problems += _batch_problems(cfg, algorithm)
     problems += _micro_batching_problems(cfg)
     problems += preference_problems(cfg, algorithm, layout)
+    problems += distillation_problems(cfg, algorithm)
     if algorithm == "grpo":
         problems += _length_problems(cfg) + _baseline_problems(cfg)
         problems += _loss_problems(cfg) + _dapo_problems(cfg) + _async_problems(cfg)

@@ -369,7 +369,13 @@ def recipe_algorithm(recipe: str | Path) -> Algorithm:
     """The algorithm a recipe is for: the first word of its name (recipes are named
     ``<algorithm>-<model>-<N>n<G>g-<strategy>``: ``sft-tiny-arithmetic-cpu``), GRPO when it names none."""
     first = Path(recipe).name.split("-", 1)[0].lower()
-    named: dict[str, Algorithm] = {"sft": "sft", "dpo": "dpo", "rm": "rm"}
+    named: dict[str, Algorithm] = {
+        "sft": "sft",
+        "dpo": "dpo",
+        "rm": "rm",
+        "distillation": "distillation",
+        "distill": "distillation",
+    }
     return named.get(first, "grpo")
 
 

@@ -25,6 +25,8 @@ LOGGED_METRICS: dict[str, frozenset[str]] = {
     "dpo": frozenset({"val/accuracy", "val/reward", "val/mean_response_length", "val/loss", "train/loss"}),
     # a reward model validates its loss and pair accuracy (the chosen reply scoring higher) on held-out pairs
     "rm": frozenset({"val/accuracy", "val/loss", "train/loss", "train/accuracy"}),
+    # distillation validates the task's greedy accuracy, as GRPO
+    "distillation": frozenset({"val/accuracy", "val/reward", "val/mean_response_length", "train/loss"}),
 }
 """Metrics each algorithm logs: the valid ``checkpointing.metric_name`` values (after normalisation)."""
 

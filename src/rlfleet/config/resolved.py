@@ -73,6 +73,14 @@ def policy_precision(cfg: MasterConfig) -> ResolvedPrecision:
     return cpu_precision(cpu_flags())
 
 
+def teacher_precision(cfg: MasterConfig) -> ResolvedPrecision:
+    """The distillation teacher's compute dtype: ``teacher.precision``, its ``auto`` resolved as the
+    policy's is (the teacher runs where the student trains)."""
+    if cfg.teacher is None or cfg.teacher.precision == "auto":
+        return policy_precision(cfg)
+    return ResolvedPrecision(cfg.teacher.precision, "set by the recipe (teacher.precision)")
+
+
 BackendName = Literal["hf", "vllm"]
 
 

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
+from rlfleet.config.distillation import DistillationConfig
 from rlfleet.config.env_models import JudgeEnvConfig, RewardModelEnvConfig
 from rlfleet.config.preference import DPOConfig, RewardModelCfg, RMConfig
 from rlfleet.config.shaping import RewardShapingConfig
@@ -148,6 +149,19 @@ class LossConfig(Strict):
         description="Dr.GRPO: sum each response's token losses and divide by "
         "policy.generation.max_new_tokens (a constant) instead of its own length; needs "
         "token_level_loss=false (pair with grpo.normalize_rewards=false).",
+    )
+    kl_type: Literal["forward", "reverse", "mixed"] = Field(
+        "mixed",
+        description="Distillation: the per-token KL between teacher and student over the teacher's top k: "
+        "forward KL(T || S), reverse KL(S || T), or mixed (mixed_kl_weight x forward + the rest x reverse).",
+    )
+    mixed_kl_weight: float = Field(
+        0.5, ge=0.0, le=1.0, description="Distillation: the forward term's weight."
+    )
+    zero_outside_topk: bool = Field(
+        False,
+        description="Distillation: read the student's full-vocabulary logprobs at the teacher's top k (its "
+        "mass outside them penalised in the reverse term) instead of renormalising both over the k.",
     )
 
 
@@ -629,8 +643,15 @@ class MasterConfig(Strict):
     sft: SFTConfig = SFTConfig()
     dpo: DPOConfig = DPOConfig()
     rm: RMConfig = RMConfig()
+    distillation: DistillationConfig = DistillationConfig()
     loss_fn: LossConfig = LossConfig()
     policy: PolicyConfig = PolicyConfig()
+    teacher: PolicyConfig | None = Field(
+        None,
+        description="Distillation: the teacher, in the policy's schema (NeMo RL's teacher: block). It reads "
+        "model_name, gguf_file, tokenizer.name, precision, logprob_batch_size and logprob_chunk_size; the "
+        "rest is not used (a teacher is not trained, does not generate and sees the student's sequences).",
+    )
     data: DataConfig = DataConfig()
     env: EnvConfig = EnvConfig()
     logger: LoggerConfig = LoggerConfig()

@@ -75,6 +75,7 @@ class ModelState:
     gradients: float
     reference: float
     compute_copies: float
+    teacher: float = 0.0  # distillation: the frozen teacher's weights, in the same process
 
 
 def head_dim(a: ArchitectureConfig) -> int:
@@ -152,6 +153,7 @@ def train_peak(
         "AdamW moments (fp32)": state.optimizer,
         "reference copy": state.reference,
         "compute copies": state.compute_copies,
+        "teacher weights": state.teacher,
     }
     backward = activation_bytes(a, shape) + logit_bytes(a, shape, "train")
     # at the end of the backward the float32 gradients exist (AdamW's update adds less than they do: on
@@ -175,6 +177,7 @@ def logprob_peak(
         "AdamW moments (fp32)": state.optimizer,
         "reference copy": state.reference,
         "compute copies": state.compute_copies,
+        "teacher weights": state.teacher,
         "activations": shape.tokens * layer_transient_bytes(a, shape.compute_bytes, shape.tensor_parallel),
         "logits": logit_bytes(a, shape, "logprob"),
     }

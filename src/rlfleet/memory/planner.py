@@ -30,10 +30,11 @@ from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.checks import Algorithm
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.layout import ResourceLayout, resource_layout
-from rlfleet.config.resolved import policy_precision
+from rlfleet.config.resolved import policy_precision, teacher_precision
 from rlfleet.config.schema import ArchitectureConfig, MasterConfig
 from rlfleet.memory.allocator import running_allocator
 from rlfleet.memory.estimate import (
+    CPU_PROCESS_BYTES,
     GIB,
     ModelState,
     PassShape,
@@ -61,6 +62,7 @@ ALGORITHM_PASSES: dict[Algorithm, tuple[Pass, ...]] = {
     "sft": ("train",),
     "dpo": PASSES,
     "rm": ("train",),
+    "distillation": PASSES,  # the logprob pass's budget is the teacher's top-k pass
 }
 
 
@@ -267,7 +269,27 @@ def model_state(
         # in one process the reference computes as the policy does, from float32 weights under autocast
         reference=(compute if sharded else 4) * parameters / world if reference else 0.0,
         compute_copies=copies,
+        # one process: the teacher beside the student; on Ray it is an actor of its own (``_teacher_actor``)
+        teacher=teacher_bytes(cfg) if algorithm == "distillation" and not sharded else 0.0,
     )
+
+
+def _teacher_actor(
+    cfg: MasterConfig, layout: ResourceLayout, on_gpu: bool, algorithm: Algorithm
+) -> dict[str, float]:
+    """A Ray run's distillation teacher: its actor's weights and process on this machine's CPU memory
+    (nothing on a GPU cluster, where it holds a GPU of its own)."""
+    if algorithm != "distillation" or on_gpu or not uses_ray(cfg, layout=layout):
+        return {}
+    return {"teacher actor weights": teacher_bytes(cfg), "teacher actor process": CPU_PROCESS_BYTES}
+
+
+def teacher_bytes(cfg: MasterConfig) -> float:
+    """The distillation teacher's weights (``teacher.architecture``, in ``teacher.precision``), held whole
+    beside the student; 0 when the recipe gives no architecture for it."""
+    if cfg.teacher is None or cfg.teacher.architecture is None:
+        return 0.0
+    return BYTES[teacher_precision(cfg).name] * count_parameters(cfg.teacher.architecture)
 
 
 def _shape(cfg: MasterConfig, layout: ResourceLayout, tokens: int) -> PassShape:
@@ -339,7 +361,10 @@ def memory_plan(
         passes=passes,
         tokens=sizes,
         ranks_here=1 if on_gpu else layout.train_world,
-        generation=_generation(cfg, layout, parameters, on_gpu) if algorithm != "rm" else {},
+        generation={
+            **(_generation(cfg, layout, parameters, on_gpu) if algorithm != "rm" else {}),
+            **_teacher_actor(cfg, layout, on_gpu, algorithm),
+        },
         available=_available(cfg, on_gpu),
         allocator=allocator,
     )

@@ -72,7 +72,8 @@ def make_plan(cfg: MasterConfig, algorithm: Algorithm = "grpo") -> tuple[Plan, l
     layout = resource_layout(cfg)
     problems = layout_problems(cfg, layout)
     g, p = cfg.grpo, cfg.policy
-    samples = g.num_prompts_per_step * g.num_generations_per_prompt
+    sampler = cfg.distillation if algorithm == "distillation" else g
+    samples = sampler.num_prompts_per_step * sampler.num_generations_per_prompt
     arch = p.architecture
     parameters = count_parameters(arch) if arch is not None else None
     trainable = parameters
@@ -176,6 +177,21 @@ def _step_rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
             (
                 "samples per step",
                 f"{g.num_prompts_per_step} x {g.num_generations_per_prompt} = {plan.samples_per_step:,}",
+            ),
+            (
+                "optimizer steps",
+                f"{plan.optimizer_steps_per_step} per step (global batch {p.train_global_batch_size})",
+            ),
+            ("per update", _micro_batches(cfg, plan)),
+        ]
+    if plan.algorithm == "distillation":
+        d = cfg.distillation
+        teacher = cfg.teacher.model_name if cfg.teacher else "none"
+        return [
+            (
+                "samples per step",
+                f"{d.num_prompts_per_step} x {d.num_generations_per_prompt} = {plan.samples_per_step:,}, "
+                f"then the teacher's top {d.topk_logits_k} at every position ({teacher})",
             ),
             (
                 "optimizer steps",

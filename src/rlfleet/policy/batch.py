@@ -28,6 +28,9 @@ class TrainBatch:
         inert: ``[B]`` bool, rows whose loss and gradient are exactly zero (GRPO: advantage 0 and no KL
             term); the training pass counts them in the loss's normaliser but does not compute them. None:
             every row is computed.
+        teacher_topk_logprobs: ``[B, T, k]`` distillation: the teacher's top-k logprobs for token ``t``
+            (from its logits at ``t - 1``), renormalised over the k; or None.
+        teacher_topk_ids: ``[B, T, k]`` long, the token ids of those logprobs; or None.
     """
 
     input_ids: torch.Tensor
@@ -38,6 +41,8 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None = None
     generation_logprobs: torch.Tensor | None = None
     inert: torch.Tensor | None = None
+    teacher_topk_logprobs: torch.Tensor | None = None
+    teacher_topk_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -76,14 +81,14 @@ def _take(value: torch.Tensor | None, index: torch.Tensor, width: int) -> torch.
     if value is None:
         return None
     rows = value[index.to(value.device)]
-    return rows[:, :width] if rows.ndim == 2 else rows
+    return rows[:, :width] if rows.ndim >= 2 else rows
 
 
 def _slice(value: torch.Tensor | None, start: int, stop: int, width: int) -> torch.Tensor | None:
     if value is None:
         return None
     rows = value[start:stop]
-    return rows[:, :width] if rows.ndim == 2 else rows
+    return rows[:, :width] if rows.ndim >= 2 else rows
 
 
 def collate(

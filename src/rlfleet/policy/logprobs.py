@@ -16,8 +16,9 @@ the micro-batch (NeMo RL's fused linear logprobs).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +46,9 @@ PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", packed_attention.NAME)
 # what the logprob code scores with: a model, or a LoRA policy seen with its adapters off
 ScoringModel = PreTrainedModel | WithoutAdapters
 
+# what a pass reads from the logits of each position at that position's targets (see ``Readout``)
+Pick = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
 
 def picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """``log softmax(logits / temperature)[target]`` over the last dim, as ``logit[target] - logsumexp``
@@ -55,41 +59,77 @@ def picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``[B, T]`` with ``out[:, t] = log p(x_t | x_<t)`` from ``[B, T, V]`` logits; ``out[:, 0] = 0``."""
-    picked = picked_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)  # [B, T-1]
-    return torch.nn.functional.pad(picked, (1, 0), value=0.0)
+@dataclass(frozen=True)
+class Readout:
+    """What a forward reads from the distribution at each position, in place of the next token's logprob.
+
+    ``targets(mb)`` gives ``[n, T, ...]`` aligned with the micro-batch's ``input_ids`` (position ``t``: what
+    the distribution over token ``t`` is read at, as token ``t`` itself is for logprobs); ``pick(logits
+    [N, V], targets [N, ...], temperature)`` gives ``[N, width]`` from it. The result is ``[n, T, width]``
+    (position 0 and padding 0) in every layout: padded, dynamic batching, packed, chunked. Distillation
+    reads the teacher's top k (``rlfleet.policy.teacher``) and the student at the teacher's tokens
+    (``rlfleet.policy.loss_functions.DistillationLossFn``) this way.
+    """
+
+    targets: Callable[[TrainBatch], torch.Tensor]
+    pick: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def _from_second_position(picked: torch.Tensor) -> torch.Tensor:
+    """``[B, T-1, ...]`` values of positions ``1..T-1`` as ``[B, T, ...]`` with position 0 at 0."""
+    return torch.nn.functional.pad(picked, (0, 0) * (picked.ndim - 2) + (1, 0), value=0.0)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float,
+    readout: tuple[Pick, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``[B, T]`` with ``out[:, t] = log p(x_t | x_<t)`` from ``[B, T, V]`` logits; ``out[:, 0] = 0``. With
+    ``readout`` ``(pick, targets [B, T, ...])``: ``pick`` of each position's logits at the next position's
+    targets, ``[B, T, width]``."""
+    pick, targets = readout if readout is not None else (picked_logprobs, input_ids)
+    return _from_second_position(pick(logits[:, :-1], targets[:, 1:], temperature))
 
 
 def _chunk_logprobs(
-    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, pick: Pick
 ) -> torch.Tensor:
-    """``[c]`` logprobs of ``targets`` from ``[c, H]`` hidden states through the output layer ``head``."""
-    return picked_logprobs(head(hidden), targets, temperature)
+    """``[c, ...]`` ``pick`` of the logits of ``[c, H]`` hidden states through the output layer ``head``."""
+    return pick(head(hidden), targets, temperature)
 
 
 def chunked_logprobs(
-    head: torch.nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, temperature: float, chunk: int
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float,
+    chunk: int,
+    readout: tuple[Pick, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[B, T]`` token logprobs (``out[:, 0] = 0``) from ``[B, T, H]`` final hidden states, ``chunk`` tokens
-    at a time through the output layer ``head``.
+    at a time through the output layer ``head``; with ``readout`` as ``logprobs_from_logits``.
 
     With autograd on, each chunk is checkpointed: the forward keeps only the chunk's hidden states and its
     ``[c]`` logprobs, and the backward recomputes that chunk's logits alone. Values and gradients are those
     of the whole computation (the operations are row-wise).
     """
+    pick, targets = readout if readout is not None else (picked_logprobs, input_ids)
     batch, width, size = hidden.shape
     flat = hidden[:, :-1].reshape(-1, size)  # [N, H]: position t predicts token t + 1
-    targets = input_ids[:, 1:].reshape(-1)
+    flat_targets = targets[:, 1:].reshape(-1, *targets.shape[2:])
     pieces = []
     for start in range(0, len(flat), chunk):
-        args = (head, flat[start : start + chunk], targets[start : start + chunk], temperature)
+        args = (head, flat[start : start + chunk], flat_targets[start : start + chunk], temperature, pick)
         if torch.is_grad_enabled():
             pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:
             pieces.append(_chunk_logprobs(*args))
-    picked = torch.cat(pieces).view(batch, width - 1) if pieces else flat.new_zeros(batch, 0).float()
-    return torch.nn.functional.pad(picked, (1, 0), value=0.0)
+    if not pieces:
+        return torch.zeros(hidden.shape[:2], device=hidden.device)
+    picked = torch.cat(pieces)
+    return _from_second_position(picked.view(batch, width - 1, *picked.shape[1:]))
 
 
 class _LogprobHead(torch.nn.Module):
@@ -97,11 +137,16 @@ class _LogprobHead(torch.nn.Module):
     it was given instead of logits (``result`` keeps what it returned)."""
 
     def __init__(
-        self, head: torch.nn.Module, input_ids: torch.Tensor, temperature: float, chunk: int
+        self,
+        head: torch.nn.Module,
+        input_ids: torch.Tensor,
+        temperature: float,
+        chunk: int,
+        readout: tuple[Pick, torch.Tensor] | None,
     ) -> None:
         super().__init__()
         self.head = head
-        self.input_ids, self.temperature, self.chunk = input_ids, temperature, chunk
+        self.input_ids, self.temperature, self.chunk, self.readout = input_ids, temperature, chunk, readout
         self.result: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -111,7 +156,9 @@ class _LogprobHead(torch.nn.Module):
                 f"hidden states for {tuple(self.input_ids.shape)} tokens); "
                 "fix: policy.logprob_chunk_size=null"
             )
-        self.result = chunked_logprobs(self.head, hidden, self.input_ids, self.temperature, self.chunk)
+        self.result = chunked_logprobs(
+            self.head, hidden, self.input_ids, self.temperature, self.chunk, self.readout
+        )
         return self.result
 
 
@@ -168,12 +215,18 @@ def token_scores(model: PreTrainedModel, input_ids: torch.Tensor, **inputs: Any)
 
 
 def model_logprobs(
-    model: ScoringModel, input_ids: torch.Tensor, temperature: float, chunk: int | None, **inputs: Any
+    model: ScoringModel,
+    input_ids: torch.Tensor,
+    temperature: float,
+    chunk: int | None,
+    readout: tuple[Pick, torch.Tensor] | None = None,
+    **inputs: Any,
 ) -> torch.Tensor:
     """``[B, T]`` logprobs of ``input_ids`` under ``model`` called with ``inputs`` (attention mask or
     position ids): from its logits, or, with ``chunk``, from its final hidden states ``chunk`` tokens at a
     time (the output layer is swapped for the chunked computation during this forward only). A reward
-    model gives its per-token scores instead (``token_scores``).
+    model gives its per-token scores instead (``token_scores``). ``readout`` ``(pick, targets)``: what
+    ``pick`` reads at each position instead (``[B, T, width]``, see ``Readout``).
 
     Raises:
         ValueError: With ``chunk``, the model changes its output layer's result (logit soft-capping or
@@ -181,6 +234,8 @@ def model_logprobs(
             a reward model, which has no vocabulary logits to chunk.
     """
     if not isinstance(model, WithoutAdapters) and is_reward_model(model):
+        if readout is not None:
+            raise ValueError("a reward model has no vocabulary distribution to read a top k from")
         if chunk is not None:
             raise ValueError(
                 "a reward model has no vocabulary logits to compute in chunks; "
@@ -189,9 +244,9 @@ def model_logprobs(
         return token_scores(model, input_ids, **inputs)
     if chunk is None:
         logits = model(input_ids=input_ids, use_cache=False, **inputs).logits  # [B, T, V]
-        return logprobs_from_logits(logits, input_ids, temperature)
+        return logprobs_from_logits(logits, input_ids, temperature, readout)
     inner = model.model if isinstance(model, WithoutAdapters) else model
-    stand_in = _LogprobHead(inner.get_output_embeddings(), input_ids, temperature, chunk)
+    stand_in = _LogprobHead(inner.get_output_embeddings(), input_ids, temperature, chunk, readout)
     with _output_layer_replaced(inner, stand_in):
         out = model(input_ids=input_ids, use_cache=False, **inputs).logits
     result = stand_in.result
@@ -209,9 +264,10 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
     chunk: int | None = None,
+    readout: tuple[Pick, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[B, T]`` with ``out[:, t] = log p(x_t | x_<t)`` at ``temperature``; ``out[:, 0] = 0``."""
-    return model_logprobs(model, input_ids, temperature, chunk, attention_mask=attention_mask)
+    return model_logprobs(model, input_ids, temperature, chunk, readout, attention_mask=attention_mask)
 
 
 def pack_rows(
@@ -244,9 +300,11 @@ def packed_token_logprobs(
     temperature: float = 1.0,
     chunk: int | None = None,
     budget: int | None = None,
+    readout: tuple[Pick, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``token_logprobs`` of right-padded rows computed on one packed row, scattered back to ``[n, T]``; the
-    row runs at its ``packed_width`` within the token ``budget``.
+    """``token_logprobs`` of right-padded rows computed on one packed row, scattered back to ``[n, T]``
+    (``[n, T, width]`` with a ``readout``, its targets packed like the tokens); the row runs at its
+    ``packed_width`` within the token ``budget``.
 
     The model gets ``position_ids`` restarting at each sequence and no attention mask: transformers then
     builds a block-diagonal causal mask (SDPA / eager) or runs variable-length FlashAttention from the
@@ -264,31 +322,49 @@ def packed_token_logprobs(
         )
     real = int(attention_mask.sum())
     packed, positions, rows, cols = pack_rows(input_ids, attention_mask, packed_width(real, budget))
-    lp = model_logprobs(model, packed, temperature, chunk, position_ids=positions)  # [1, W]
-    picked = lp[0, :real]  # [L]
+    if readout is not None:
+        pick, targets = readout
+        packed_targets = targets.new_zeros((packed.shape[1], *targets.shape[2:]))
+        packed_targets[:real] = targets[rows, cols]
+        readout = (pick, packed_targets.unsqueeze(0))
+    lp = model_logprobs(model, packed, temperature, chunk, readout, position_ids=positions)  # [1, W, ...]
+    picked = lp[0, :real]  # [L, ...]
     if not is_reward_model(model):
-        picked = picked.masked_fill(cols == 0, 0.0)
-    return picked.new_zeros(input_ids.shape).index_put((rows, cols), picked)
+        picked = picked.masked_fill(_rows_like(cols == 0, picked), 0.0)
+    return picked.new_zeros((*input_ids.shape, *picked.shape[1:])).index_put((rows, cols), picked)
+
+
+def _rows_like(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``mask`` ``[...]`` with a trailing 1 for each dimension ``values`` has beyond it (to broadcast)."""
+    return mask.view(*mask.shape, *(1,) * (values.ndim - mask.ndim))
 
 
 def forward_logprobs(
-    model: ScoringModel, mb: TrainBatch, batching: MicroBatching, temperature: float
+    model: ScoringModel,
+    mb: TrainBatch,
+    batching: MicroBatching,
+    temperature: float,
+    readout: Readout | None = None,
 ) -> torch.Tensor:
-    """``[n, T]`` token logprobs of the right-padded micro-batch ``mb``, whatever its layout: packed into
-    one row, padded to its width rounded up (dynamic batching), or as it is (fixed rows). Padding
-    positions hold 0 in every layout."""
+    """``[n, T]`` token logprobs of the right-padded micro-batch ``mb`` (``[n, T, width]`` of ``readout``),
+    whatever its layout: packed into one row, padded to its width rounded up (dynamic batching), or as it
+    is (fixed rows). Padding positions hold 0 in every layout."""
     chunk = batching.logprob_chunk
+    read = None if readout is None else (readout.pick, readout.targets(mb))
     if batching.pack:
         return packed_token_logprobs(
-            model, mb.input_ids, mb.attention_mask, temperature, chunk, batching.tokens
+            model, mb.input_ids, mb.attention_mask, temperature, chunk, batching.tokens, read
         )
     width = mb.input_ids.shape[1]
     target = round_up(width, batching.round_to) if batching.tokens is not None else width
     pad = (0, target - width)
     ids = torch.nn.functional.pad(mb.input_ids, pad, value=0)
     mask = torch.nn.functional.pad(mb.attention_mask, pad, value=0)
-    lp = token_logprobs(model, ids, mask, temperature, chunk)[:, :width]
-    return lp.masked_fill(mb.attention_mask == 0, 0.0)
+    if read is not None and target > width:
+        pick, targets = read
+        read = (pick, torch.nn.functional.pad(targets, (0, 0) * (targets.ndim - 2) + pad, value=0))
+    lp = token_logprobs(model, ids, mask, temperature, chunk, read)[:, :width]
+    return lp.masked_fill(_rows_like(mb.attention_mask == 0, lp), 0.0)
 
 
 @torch.no_grad()
@@ -299,12 +375,14 @@ def batch_logprobs(
     temperature: float,
     num_shards: int = 1,
     shard: int = 0,
+    readout: Readout | None = None,
 ) -> torch.Tensor:
     """Token logprobs of shard ``shard`` of ``num_shards`` (contiguous equal row shares) of ``batch``, in eval
     mode, micro-batch by micro-batch as ``micro_batching`` plans (every shard runs the same number of passes).
 
     Returns:
-        ``[B / num_shards, T]`` float32 on the CPU in the shard's row order, ``T`` the width of ``batch``.
+        ``[B / num_shards, T]`` float32 on the CPU in the shard's row order, ``T`` the width of ``batch``
+        (``[B / num_shards, T, width]`` of ``readout``).
     """
     batching = as_micro_batching(micro_batching)
     share = len(batch) // num_shards
@@ -312,12 +390,14 @@ def batch_logprobs(
     plan = plan_micro_batches(row_lengths(batch), batching, num_shards)[shard]
     was_training = model.training
     model.eval()
-    out = torch.zeros((share, batch.response_mask.shape[1]), dtype=torch.float32)
+    out: torch.Tensor | None = None
     try:
         for rows in plan:
             mb = mine.take(rows).to(model.device)
-            lp = forward_logprobs(model, mb, batching, temperature)
+            lp = forward_logprobs(model, mb, batching, temperature, readout)
+            if out is None:  # [share, T, width...]: a readout's width is known from its first result
+                out = torch.zeros((share, batch.response_mask.shape[1], *lp.shape[2:]), dtype=torch.float32)
             out[rows, : lp.shape[1]] = lp.float().cpu()
     finally:
         model.train(was_training)
-    return out
+    return out if out is not None else torch.zeros((share, batch.response_mask.shape[1]))

@@ -23,7 +23,7 @@ from rlfleet.models.lora import LoraSettings, WithoutAdapters
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.build import PolicyModels, build_policy_models, compute_autocast, require_master_dtype
 from rlfleet.policy.interface import LossFn
-from rlfleet.policy.logprobs import batch_logprobs, forward_logprobs
+from rlfleet.policy.logprobs import Readout, batch_logprobs, forward_logprobs
 from rlfleet.policy.loss_math import Normalizer
 from rlfleet.policy.microbatch import (
     MicroBatching,
@@ -179,11 +179,14 @@ class TrainablePolicy(ABC):
         Returns the loss function's metrics summed over the micro-batches.
         """
         metrics: dict[str, float] = {}
+        # a loss that reads more than the tokens' logprobs (distillation: the student at the teacher's top
+        # k) says what in its ``readout`` (rlfleet.policy.logprobs.Readout)
+        readout: Readout | None = getattr(loss_fn, "readout", None)
         self.optimizer.zero_grad(set_to_none=True)
         for rows in plan:
             mb = batch.take(rows).to(self.device)
             with self._compute():
-                lp = forward_logprobs(self.model, mb, batching, temperature)
+                lp = forward_logprobs(self.model, mb, batching, temperature, readout)
             loss, mb_metrics = loss_fn(lp, mb, norm)
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             for key, value in mb_metrics.items():

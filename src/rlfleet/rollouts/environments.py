@@ -235,13 +235,15 @@ def build_episode_runner(
     tokenizer: PreTrainedTokenizerBase,
     runners: Mapping[str, EnvRunner],
     system_prompt: str | None,
+    max_turns: int | None = None,
 ) -> EpisodeRunner:
+    """The run's episodes; ``max_turns`` (the algorithm's ``max_rollout_turns``) defaults to GRPO's."""
     return EpisodeRunner(
         backend,
         tokenizer,
         runners,
         default_env=cfg.data.env_name,
-        max_turns=cfg.grpo.max_rollout_turns,
+        max_turns=max_turns if max_turns is not None else cfg.grpo.max_rollout_turns,
         max_seq_len=cfg.policy.max_total_sequence_length,
         system_prompt=system_prompt,
     )

@@ -114,13 +114,15 @@ def start_run(
     max_num_epochs: int,
     pairs: PairSource | None = None,
     generation: bool = True,
+    max_turns: int | None = None,
 ) -> tuple[RunContext, GenerationBackend, TaskData]:
     """Starts a loop's components (environments, policy and generation, data, context) and resumes.
 
     The loader draws the task's prompts, or with ``pairs`` from a preference dataset (DPO, reward models)
     its pairs, tokenised once the policy's tokenizer is loaded (their rows were read and checked before).
     Without ``generation`` (a reward model's run: preference pairs, nothing sampled) no generation engine
-    and no environment is started (the backend is ``NoGeneration``).
+    and no environment is started (the backend is ``NoGeneration``). ``max_turns``: the algorithm's
+    ``max_rollout_turns`` (default GRPO's).
 
     When any step fails, whatever was already started (Ray actors, environment worker processes, loggers)
     is released before the error propagates; once this returns, the context owns it all and
@@ -143,7 +145,7 @@ def start_run(
         tools = prompt_tools(cfg, runners) if runners else None
         data = load_prompts(cfg, policy.tokenizer, max_val_samples, examples, tools=tools)
         system_prompt = resolve_system_prompt(cfg.data)
-        episodes = build_episode_runner(cfg, backend, policy.tokenizer, runners, system_prompt)
+        episodes = build_episode_runner(cfg, backend, policy.tokenizer, runners, system_prompt, max_turns)
         items = data.train if pairs is None or pairs.sampled else pairs.tokenize(policy.tokenizer, cfg)
         ctx = make_context(
             cfg,

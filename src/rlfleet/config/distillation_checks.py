@@ -1,0 +1,96 @@
+"""The checks of on-policy distillation, one of the parts of :func:`rlfleet.config.checks.check_config`: the
+teacher block, the batch arithmetic, and the Ray layout. What needs the teacher's files (its vocabulary
+against the student's, ``topk_logits_k`` against it) is :func:`teacher_problems`, run before any weights
+load. Each problem names the key, the value, the constraint and a fix.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rlfleet.config.schema import MasterConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def distillation_problems(cfg: MasterConfig, algorithm: str) -> list[str]:
+    """Everything in the recipe alone that keeps ``cfg`` from running ``algorithm`` (distillation keys
+    set for another algorithm are not used, so they are not checked)."""
+    if algorithm != "distillation":
+        return []
+    teacher, problems = cfg.teacher, []
+    if teacher is None or not teacher.model_name:
+        return [
+            "teacher.model_name: distillation needs a teacher (a teacher: block in the policy's schema, "
+            "NeMo RL's key); fix: teacher.model_name=<hub id or directory of the teacher> (e.g. a GRPO "
+            "run's exported checkpoint)"
+        ]
+    if teacher.dtensor_cfg.lora_cfg.enabled:
+        problems.append(
+            "teacher.dtensor_cfg.lora_cfg.enabled=true: the teacher is not trained, so adapters on it would "
+            "never learn; fix: teacher.dtensor_cfg.lora_cfg.enabled=false (LoRA on the student is "
+            "policy.dtensor_cfg.lora_cfg)"
+        )
+    if teacher.reward_model_cfg.enabled:
+        problems.append(
+            "teacher.reward_model_cfg.enabled=true: a reward model has no vocabulary distribution to "
+            "distil from; fix: teacher.reward_model_cfg.enabled=false"
+        )
+    d, batch = cfg.distillation, cfg.policy.train_global_batch_size
+    samples = d.num_prompts_per_step * d.num_generations_per_prompt
+    if samples % batch:
+        problems.append(
+            f"distillation.num_prompts_per_step * distillation.num_generations_per_prompt = "
+            f"{d.num_prompts_per_step} * {d.num_generations_per_prompt} = {samples} sequences per step, "
+            f"which policy.train_global_batch_size={batch} does not divide; fix: "
+            f"policy.train_global_batch_size={_largest_divisor_at_most(samples, batch)} (a divisor of "
+            f"{samples}) or distillation.num_prompts_per_step to a multiple of {batch}"
+        )
+    if cfg.data.env_name == "tools" and d.max_rollout_turns < 2:
+        problems.append(
+            "distillation.max_rollout_turns: the tools environment answers a tool call in the next turn, so "
+            "with distillation.max_rollout_turns=1 no call would get its result; fix: "
+            "distillation.max_rollout_turns=3"
+        )
+    return problems
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def teacher_problems(
+    cfg: MasterConfig,
+    student: PreTrainedTokenizerBase,
+    teacher: PreTrainedTokenizerBase,
+    student_vocabulary: int,
+    teacher_vocabulary: int,
+) -> list[str]:
+    """The teacher against the student, from their tokenizers and their models' vocabulary sizes (the
+    rows of their output layers), before any weights load: the same tokens with the same ids (NeMo RL's
+    check; the student is read at the teacher's token ids), and ``topk_logits_k`` within the vocabulary."""
+    problems = []
+    ours, theirs = student.get_vocab(), teacher.get_vocab()
+    if ours != theirs or student_vocabulary != teacher_vocabulary:
+        differ = sorted(
+            (t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t)),
+            key=lambda t: (min(ours.get(t, 1 << 62), theirs.get(t, 1 << 62)), t),  # by the lower id
+        )
+        shown = ", ".join(f"{t!r}: student {ours.get(t)}, teacher {theirs.get(t)}" for t in differ[:5])
+        more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
+        sizes = f"output layers of {student_vocabulary} and {teacher_vocabulary} rows"
+        name = cfg.teacher.model_name if cfg.teacher else None
+        problems.append(
+            f"teacher.model_name={name!r}: the teacher's vocabulary "
+            f"is not the student's ({len(differ)} token(s) differ: {shown or 'none'}{more}; {sizes}); the "
+            "student is read at the teacher's token ids, so they must mean the same tokens; fix: a teacher "
+            "of the student's family (the same tokenizer)"
+        )
+    k, vocabulary = cfg.distillation.topk_logits_k, min(student_vocabulary, teacher_vocabulary)
+    if k > vocabulary:
+        problems.append(
+            f"distillation.topk_logits_k={k} is larger than the vocabulary ({vocabulary} tokens); fix: "
+            f"distillation.topk_logits_k={min(64, vocabulary)} (NeMo RL's default is 64)"
+        )
+    return problems

@@ -1,0 +1,84 @@
+"""The distillation config: its keys, the recipe's algorithm, the teacher against the student (vocabulary,
+top k) and the teacher's memory in the plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlfleet.config import ConfigError, load_recipe, recipe_algorithm, resolve_recipe_path
+from rlfleet.config.distillation_checks import teacher_problems
+from rlfleet.config.layout import resource_layout
+from rlfleet.memory.planner import count_parameters, memory_plan
+from rlfleet.memory.report import make_plan
+
+RECIPE = "distillation-tiny-arithmetic-cpu"
+ARCH = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2}
+ARCH |= {"num_key_value_heads": 1, "vocab_size": 320}
+
+
+def _architecture(section: str, **changes: int) -> list[str]:
+    return [f"{section}.architecture.{k}={v}" for k, v in (ARCH | changes).items()]
+
+
+class Vocab:
+    def __init__(self, vocab: dict[str, int]) -> None:
+        self.vocab = vocab
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.vocab)
+
+
+def test_a_recipe_named_distillation_or_distill_is_checked_as_distillation() -> None:
+    assert recipe_algorithm(RECIPE) == "distillation"
+    assert recipe_algorithm("distill-my-student.yaml") == "distillation"
+    cfg = load_recipe(resolve_recipe_path(RECIPE))
+    assert (cfg.loss_fn.kl_type, cfg.loss_fn.mixed_kl_weight, cfg.distillation.topk_logits_k) == (
+        "mixed",
+        0.5,
+        64,
+    )
+    assert cfg.teacher is not None and cfg.teacher.model_name == "runs/demo/grpo_model"
+
+
+@pytest.mark.parametrize("override", ["loss_fn.mixed_kl_weight=1.5", "loss_fn.kl_type=jensen"])
+def test_loss_keys_out_of_range_are_refused(override: str) -> None:
+    with pytest.raises(ConfigError, match=override.split("=")[0]):
+        load_recipe(resolve_recipe_path(RECIPE), [override])
+
+
+def test_the_same_vocabulary_passes_and_a_differing_token_is_named() -> None:
+    cfg = load_recipe(resolve_recipe_path(RECIPE))
+    same = Vocab({"a": 0, "b": 1, "c": 2})
+    assert teacher_problems(cfg, same, same, 320, 320) == []
+    (problem,) = teacher_problems(cfg, same, Vocab({"a": 0, "b": 2, "c": 1}), 320, 320)
+    assert "2 token(s) differ: 'b': student 1, teacher 2, 'c': student 2, teacher 1" in problem
+    (problem,) = teacher_problems(cfg, same, same, 320, 352)  # the same tokens, another embedding size
+    assert "0 token(s) differ: none; output layers of 320 and 352 rows" in problem
+
+
+def test_top_k_above_the_vocabulary_is_refused_with_a_fix() -> None:
+    cfg = load_recipe(resolve_recipe_path(RECIPE), ["distillation.topk_logits_k=400"])
+    same = Vocab({"a": 0})
+    (problem,) = teacher_problems(cfg, same, same, 320, 320)
+    assert "distillation.topk_logits_k=400 is larger than the vocabulary (320 tokens)" in problem
+    assert "fix: distillation.topk_logits_k=64" in problem
+
+
+def test_the_plan_counts_the_teachers_weights_beside_the_student_or_in_its_ray_actor() -> None:
+    overrides = [*_architecture("policy"), *_architecture("teacher", hidden_size=256, intermediate_size=512)]
+    cfg = load_recipe(resolve_recipe_path(RECIPE), overrides)
+    plan, problems = make_plan(cfg, "distillation")
+    assert problems == [] and plan.samples_per_step == 32 * 4
+    assert cfg.teacher is not None and cfg.teacher.architecture is not None
+    teacher = 4 * count_parameters(cfg.teacher.architecture)  # float32
+    here = memory_plan(
+        cfg, resource_layout(cfg), plan.parameters or 0, plan.parameters or 0, algorithm="distillation"
+    )
+    assert here.passes["train"]["teacher weights"] == teacher
+    assert "teacher actor weights" not in here.generation
+    ray = load_recipe(resolve_recipe_path(RECIPE), [*overrides, "cluster.use_ray=true"])
+    there = memory_plan(
+        ray, resource_layout(ray), plan.parameters or 0, plan.parameters or 0, algorithm="distillation"
+    )
+    assert "teacher weights" not in there.passes["train"]
+    assert there.generation["teacher actor weights"] == teacher
