@@ -83,13 +83,14 @@ train-distill: $(STAMP)
 	$(BIN)/rlfleet distill distillation-tiny-arithmetic-cpu $(ARGS)
 
 # Two pytest-xdist workers, each taking a whole test file (its module fixtures, such as a shared engine, stay
-# in one process); TEST_WORKERS=0 runs the suite in one process.
+# in one process), in collection order: the files with slow tests first (tests/conftest.py), so the longest
+# start at once and the short ones fill the end; TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 
 test: $(DEV_STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # The developer's inner loop, under 2 minutes on 2 cores: lint, the unit tests and the cheapest functional
 # tests (no Ray, vLLM or training run). `make test` runs everything, as CI does.

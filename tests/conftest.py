@@ -328,7 +328,11 @@ GPU_SKIP_REASON = "needs a CUDA GPU"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` skip, with the reason, where CUDA is not available."""
+    """The files with a test marked ``slow`` first (``make test``'s workers take whole files in this order,
+    so the long ones start at once and the short ones fill the end); tests marked ``gpu`` skip, with the
+    reason, where CUDA is not available."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)  # stable: each file's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=GPU_SKIP_REASON)

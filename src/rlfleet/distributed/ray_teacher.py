@@ -2,7 +2,7 @@
 
 The actor loads the teacher once (in ``teacher.precision``) and answers each step's top-k pass over the
 whole batch: the driver sends the batch's tokens and gets ``[B, T, k]`` logprobs and ids back, never a
-vocabulary-wide tensor. On a cluster with GPUs (``cluster.gpus_per_node > 0``) the actor holds one GPU of
+vocabulary-wide tensor. On a cluster with GPUs the actor holds one GPU of
 its own beside the training ranks' (a cluster without a free one is refused at start-up, saying so); on
 CPUs it reserves no CPU, since it computes while the trainer waits for it. An actor that dies during a pass
 is started again and the pass re-sent once; a second death ends the run with the reason.
@@ -18,7 +18,6 @@ import ray
 import ray.exceptions
 import torch
 
-from rlfleet.config import MasterConfig
 from rlfleet.errors import UserError
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch
@@ -58,17 +57,15 @@ class RayTeacher:
         self._start()
 
     @classmethod
-    def start(
-        cls, source: ModelSource, cfg: MasterConfig, startup_timeout_s: float = STARTUP_TIMEOUT_S
-    ) -> RayTeacher:
-        """The teacher's actor, with one GPU when the cluster trains on GPUs.
+    def start(cls, source: ModelSource, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> RayTeacher:
+        """The teacher's actor, with one GPU when the cluster has GPUs.
 
         Raises:
             UserError: No GPU free for it, or it did not start within ``startup_timeout_s``.
         """
         if not ray.is_initialized():
             raise RuntimeError("RayTeacher needs Ray initialised first (the policy's workers start it)")
-        num_gpus = 1 if cfg.cluster.gpus_per_node > 0 else 0
+        num_gpus = 1 if ray.cluster_resources().get("GPU", 0.0) > 0 else 0  # CPU clusters: CPU workers
         free = ray.available_resources().get("GPU", 0.0)
         if num_gpus > free:
             raise UserError(

@@ -74,5 +74,5 @@ def start_teacher(cfg: MasterConfig, layout: ResourceLayout) -> TeacherHandle:
     if uses_ray(cfg, layout=layout):
         from rlfleet.distributed.ray_teacher import RayTeacher
 
-        return RayTeacher.start(teacher_source(cfg), cfg)
+        return RayTeacher.start(teacher_source(cfg))
     return Teacher(teacher_source(cfg))
