@@ -21,9 +21,12 @@ teacher's share of a distillation step's time.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: benchmarks/ importable
 
 from benchmarks.preferences import Curve, curve, run
 

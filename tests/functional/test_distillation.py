@@ -191,3 +191,40 @@ def test_recipe_problems_are_refused_before_anything_loads(
     cfg = small_distillation_config(tiny_model_dir, teacher_dir, tmp_path, *overrides)
     with pytest.raises(ConfigError, match=message):
         Distillation(cfg)
+
+
+def test_multi_turn_tool_episodes_distil_on_the_models_own_turns(
+    tiny_model_dir: Path, teacher_dir: Path, tmp_path: Path
+) -> None:
+    cfg = small_distillation_config(
+        tiny_model_dir,
+        teacher_dir,
+        tmp_path,
+        "distillation.max_num_steps=2",
+        "distillation.max_rollout_turns=2",
+        "distillation.val_at_start=false",
+        "data.dataset_name=multiplication",
+        "data.multiplication.num_train=16",
+        "data.multiplication.num_val=4",
+        "data.multiplication.sft_target=direct",
+        "data.env_name=tools",
+        "env.tools.num_workers=1",
+        "env.tools.tools=[calculator]",
+        "policy.max_total_sequence_length=200",
+    )
+    trainer = Distillation(cfg)
+    collected = []
+    original = trainer.collect
+
+    def recording(step: int):  # noqa: ANN202
+        result = original(step)
+        collected.append(result)
+        return result
+
+    trainer.collect = recording  # type: ignore[method-assign]
+    trainer.train()
+    assert [r["step"] for r in _train_records(tmp_path / "logs")] == [1, 2]
+    rollouts = [r for c in collected for r in c.groups.samples]
+    # the tiny model's replies are tool calls or not at random; where a tool answered, its tokens are not
+    # the model's, and the loss reads the model's own (r.mask) only, as GRPO's does
+    assert all(len(r.mask) == len(r.result.token_ids) for r in rollouts if r.mask is not None)

@@ -79,7 +79,9 @@ def check_config(cfg: MasterConfig, algorithm: Algorithm, *, layout: ResourceLay
     problems += _batch_problems(cfg, algorithm)
     problems += _micro_batching_problems(cfg)
     problems += preference_problems(cfg, algorithm, layout)
-    problems += distillation_problems(cfg, algorithm)
+    problems += distillation_problems(cfg, algorithm)  # with its own distillation.max_rollout_turns
+    if algorithm != "distillation":
+        problems += _rollout_turn_problems(cfg)
     if algorithm == "grpo":
         problems += _length_problems(cfg) + _baseline_problems(cfg)
         problems += _loss_problems(cfg) + _dapo_problems(cfg) + _async_problems(cfg)
@@ -143,12 +145,6 @@ def section_problems(cfg: MasterConfig) -> list[str]:
             f"env.{cfg.data.env_name}.model_name: empty, but data.env_name={cfg.data.env_name} scores with "
             f"that model; fix: env.{cfg.data.env_name}.model_name=<hub id or local directory>"
         )
-    if cfg.data.env_name == "tools" and cfg.grpo.max_rollout_turns < 2:
-        problems.append(
-            "grpo.max_rollout_turns: the tools environment answers a tool call in the next turn, so with "
-            "grpo.max_rollout_turns=1 no call would ever get its result; fix: grpo.max_rollout_turns=3 (a "
-            "call, maybe a second, the answer)"
-        )
     if cfg.data.system_prompt is not None and cfg.data.system_prompt_file is not None:
         problems.append("data: data.system_prompt and data.system_prompt_file are both set; keep one of them")
     e = cfg.eval
@@ -180,6 +176,18 @@ def _divisors_near(number: int, target: int, multiple_of: int = 1, count: int = 
     divisors = sorted({*small, *(number // d for d in small)})
     preferred = [d for d in divisors if d % multiple_of == 0] or divisors
     return sorted(sorted(preferred, key=lambda d: (abs(d - target), d))[:count])
+
+
+def _rollout_turn_problems(cfg: MasterConfig) -> list[str]:
+    """The episodes' turns (``grpo.max_rollout_turns``, which every algorithm but distillation rolls out
+    with, in training or validation) against the environment."""
+    if cfg.data.env_name == "tools" and cfg.grpo.max_rollout_turns < 2:
+        return [
+            "grpo.max_rollout_turns: the tools environment answers a tool call in the next turn, so with "
+            "grpo.max_rollout_turns=1 no call would ever get its result; fix: grpo.max_rollout_turns=3 (a "
+            "call, maybe a second, the answer)"
+        ]
+    return []
 
 
 def _batch_problems(cfg: MasterConfig, algorithm: Algorithm) -> list[str]:

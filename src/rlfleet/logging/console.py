@@ -42,6 +42,7 @@ _TIMINGS: tuple[tuple[str, str], ...] = (
     ("timing/generation_wait", "wait"),
     ("timing/env", "env"),
     ("timing/logprobs", "lp"),
+    ("timing/teacher", "teacher"),
     ("timing/training", "train"),
     ("timing/refit", "refit"),
     ("timing/checkpoint", "ckpt"),
