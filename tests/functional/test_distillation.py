@@ -5,6 +5,7 @@ before any weights load."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -216,7 +217,7 @@ def test_multi_turn_tool_episodes_distil_on_the_models_own_turns(
     collected = []
     original = trainer.collect
 
-    def recording(step: int):  # noqa: ANN202
+    def recording(step: int) -> Any:
         result = original(step)
         collected.append(result)
         return result

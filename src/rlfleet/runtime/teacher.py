@@ -15,6 +15,7 @@ from rlfleet.config.distillation_checks import teacher_problems
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.layout import ResourceLayout
 from rlfleet.config.resolved import teacher_precision
+from rlfleet.errors import UserError
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.microbatch import MicroBatching
@@ -61,7 +62,9 @@ def _files(source: ModelSource, section: str, what: str) -> tuple[PreTrainedToke
     """A model's tokenizer and config (no weights), or a ConfigError naming ``section``'s key."""
     try:
         return source.load_tokenizer(), source.load_config()
-    except Exception as exc:  # any loading failure is the user's path or files
+    except UserError as exc:  # rlfleet's own loading errors say what to fix
+        raise ConfigError(f"{section}.model_name={source.model_name!r}: {what} does not load: {exc}") from exc
+    except Exception as exc:  # any other loading failure is the user's path or files too
         raise ConfigError(
             f"{section}.model_name={source.model_name!r}: {what} does not load ({type(exc).__name__}: "
             f"{exc}); fix: {section}.model_name=<a directory or hub id with its config and tokenizer> (an "
