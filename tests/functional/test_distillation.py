@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rlfleet.algorithms.distillation import Distillation
+from rlfleet.cli import main
 from rlfleet.config import ConfigError, MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.logging import read_metrics
 from rlfleet.models.tiny import create_tiny_model
@@ -229,3 +230,25 @@ def test_multi_turn_tool_episodes_distil_on_the_models_own_turns(
     # the tiny model's replies are tool calls or not at random; where a tool answered, its tokens are not
     # the model's, and the loss reads the model's own (r.mask) only, as GRPO's does
     assert all(len(r.mask) == len(r.result.token_ids) for r in rollouts if r.mask is not None)
+
+
+def test_lora_student_trains_its_adapters_only_and_its_checkpoint_evaluates(
+    tiny_model_dir: Path, teacher_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = small_distillation_config(
+        tiny_model_dir,
+        teacher_dir,
+        tmp_path,
+        "distillation.max_num_steps=2",
+        "distillation.val_at_start=false",
+        "policy.dtensor_cfg.lora_cfg.enabled=true",
+        "policy.dtensor_cfg.lora_cfg.dim=4",
+    )
+    trainer = Distillation(cfg)
+    before = trainer_params(trainer)
+    trainer.train()
+    changed = {n for n, p in trainer_params(trainer).items() if not torch.equal(before[n], p)}
+    assert changed and all("lora" in n for n in changed)
+    step = tmp_path / "ckpt" / "step_2"
+    assert main(["eval", str(step), "eval.max_val_samples=4"]) == 0
+    assert "pass@1" in capsys.readouterr().out

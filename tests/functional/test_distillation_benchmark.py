@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from benchmarks.distillation import format_tables, main, parse_args, seconds_to
+from benchmarks.distillation import KL_TYPES, TASKS, format_tables, main, parse_args, seconds_to
 from benchmarks.preferences import Curve
 
 from tests.functional.test_distillation import teacher_dir  # noqa: F401
@@ -14,11 +14,13 @@ from tests.functional.test_distillation import teacher_dir  # noqa: F401
 
 def test_arguments_choose_the_kl_types_the_target_and_each_rows_overrides() -> None:
     args = parse_args([])
-    assert (args.kl_types, args.target, args.student) == (["forward", "reverse", "mixed"], 0.75, None)
+    assert (args.task, args.kl_types, args.target, args.student) == ("tiny", list(KL_TYPES), None, None)
+    assert parse_args(["--task", "smollm2"]).task == "smollm2" and TASKS["smollm2"][2] == 0.25
     args = parse_args(["--kl-types", "mixed", "--target", "0.6", "--distill", "distillation.seed=3"])
     assert (args.kl_types, args.target, args.distill) == (["mixed"], 0.6, ["distillation.seed=3"])
-    with pytest.raises(SystemExit):
-        parse_args(["--kl-types", "jensen"])
+    for bad in (["--kl-types", "jensen"], ["--task", "gsm8k"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
 
 
 def test_time_to_the_target_and_the_ratio_to_grpo() -> None:
