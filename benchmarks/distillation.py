@@ -103,7 +103,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--student", help="the student model (default: the SFT stage's, run here)")
     parser.add_argument("--teacher", help="the teacher model (default: the GRPO stage's result, run here)")
     parser.add_argument("--kl-types", nargs="+", choices=KL_TYPES, default=list(KL_TYPES))
-    parser.add_argument("--target", type=float, help="the accuracy the time is measured to (tiny 0.75)")
+    parser.add_argument("--target", type=float, help="the accuracy timed to (tiny 0.75, smollm2 0.25)")
     parser.add_argument("--out", default=None, help="where runs go (default: a temporary directory)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 steps per row, small batches")
     parser.add_argument("--grpo", nargs="*", default=[], help="overrides of the GRPO stage")

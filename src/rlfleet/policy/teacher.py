@@ -89,5 +89,5 @@ class Teacher:
         return model_topk(self.model, batch, micro_batching, k)
 
     def close(self) -> None:
-        """Drops the model (the run's clean-up calls it)."""
-        del self.model
+        """Drops the model (the run's clean-up calls it; a second call does nothing)."""
+        self.__dict__.pop("model", None)
