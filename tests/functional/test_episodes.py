@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlfleet.data import Example, Prompt, build_prompts
+from rlfleet.data.prompts import ObservationTemplate
 from rlfleet.environments.runner import (
     STEP_IN_WORKER,
     InProcessRunner,
@@ -22,7 +23,7 @@ from rlfleet.environments.runner import (
 )
 from rlfleet.generation import GenerationResult, HFGenerationBackend, SamplingParams
 from rlfleet.policy.batch import collate
-from rlfleet.rollouts.episodes import EpisodeRunner, ObservationTemplate
+from rlfleet.rollouts.episodes import EpisodeRunner
 from rlfleet.workers import ProcessWorkerPool
 from tests.functional.rewards_for_tests import first_digit_reward
 

@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerFast
 from rlfleet.config import ConfigError, MasterConfig, check_config
 from rlfleet.data import DataError, load_task
 from rlfleet.data.arithmetic import tool_transcript
+from rlfleet.data.prompts import ObservationTemplate
 from rlfleet.environments import (
     CodeEnvironment,
     EnvironmentLoadError,
@@ -26,7 +27,6 @@ from rlfleet.environments.builtin import extract_code
 from rlfleet.environments.interface import MalformedReturn, split_return
 from rlfleet.models.tiny import CHAT_TEMPLATE, train_tokenizer
 from rlfleet.policy.batch import collate
-from rlfleet.rollouts.episodes import ObservationTemplate
 
 
 def convo(question: str, *answers: str) -> list[dict[str, str]]:

@@ -137,6 +137,7 @@ LAYERS = [
     {"data", "generation", "checkpoint", "logging", "deploy", "environments"},
     {"policy"},
     {"distributed"},
+    {"serving"},
     {"rollouts"},
     {"runtime"},
     {"algorithms"},

@@ -145,6 +145,11 @@ def section_problems(cfg: MasterConfig) -> list[str]:
             f"env.{cfg.data.env_name}.model_name: empty, but data.env_name={cfg.data.env_name} scores with "
             f"that model; fix: env.{cfg.data.env_name}.model_name=<hub id or local directory>"
         )
+    if cfg.data.env_name == "agent" and not cfg.env.agent.agent_fn.strip():
+        problems.append(
+            "env.agent.agent_fn: empty, but data.env_name=agent runs an agent function; fix: "
+            "env.agent.agent_fn=<package.module:function or path/to/file.py:function>"
+        )
     if cfg.data.system_prompt is not None and cfg.data.system_prompt_file is not None:
         problems.append("data: data.system_prompt and data.system_prompt_file are both set; keep one of them")
     e = cfg.eval

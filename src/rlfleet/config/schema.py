@@ -519,7 +519,30 @@ class CustomEnvConfig(Strict):
     cfg: dict[str, Any] = Field({}, description="Passed to the class's constructor.")
 
 
-BUILTIN_ENVIRONMENTS = ("math", "tools", "code", "reward_model", "judge")
+class AgentEnvConfig(Strict):
+    """The ``agent`` environment: a user's agent, written against the OpenAI API, plays each episode.
+
+    For each episode rlfleet calls ``agent_fn(task, client, model)`` (``async def`` functions are awaited
+    with an ``openai.AsyncOpenAI`` client): ``task`` is the row (``question``, ``ground_truth``, its other
+    fields, and ``messages``: the conversation rlfleet would start with), ``client`` an OpenAI client whose
+    base URL is the episode's own, ``model`` the served name. The function talks to the policy as often as it
+    likes (tools, several turns) and returns the episode's reward (a number). Every token the endpoint
+    sampled for the episode is recorded and trained on, exactly as sampled (``rlfleet.serving.record``)."""
+
+    agent_fn: str = Field(
+        "",
+        description="The agent: `package.module:function` or `path/to/file.py:function`; required when the "
+        "environment is used.",
+    )
+    max_concurrency: int = Field(32, ge=1, description="Episodes whose agents run at once.")
+    timeout_s: float = Field(
+        300.0, gt=0.0, description="One episode's time bound; an agent past it scores 0 (counted)."
+    )
+    max_requests: int = Field(32, ge=1, description="Requests one episode may send to the endpoint.")
+    served_model_name: str = Field("policy", min_length=1, description="The model name agents send.")
+
+
+BUILTIN_ENVIRONMENTS = ("math", "tools", "code", "reward_model", "judge", "agent")
 """The environments rlfleet ships, each with its ``env.<name>`` section below (their classes:
 ``rlfleet.environments.builtin.BUILTIN``, which a unit test holds to these names)."""
 
@@ -535,6 +558,7 @@ class EnvConfig(Strict):
     code: CodeEnvConfig = CodeEnvConfig()
     reward_model: RewardModelEnvConfig = RewardModelEnvConfig()
     judge: JudgeEnvConfig = JudgeEnvConfig()
+    agent: AgentEnvConfig = AgentEnvConfig()
 
     @model_validator(mode="after")
     def _custom_environments(self) -> EnvConfig:

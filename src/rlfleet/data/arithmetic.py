@@ -173,7 +173,7 @@ CALL = '<tool_call>{{"name": "calculator", "arguments": {{"expression": "{a} * {
 def tool_transcript(a: int, b: int) -> str:
     """The episode a tool-using model should produce for ``a * b`` after its prompt, in ChatML (the tiny
     model's and SmolLM2's chat format): call the calculator, read its result, answer with ``#### N``. The
-    tool message is what the ``tools`` environment renders (:class:`~rlfleet.rollouts.episodes.
+    tool message is what the ``tools`` environment renders (:class:`~rlfleet.data.prompts.
     ObservationTemplate`), so SFT on this text teaches exactly the turns GRPO then samples."""
     return CALL.format(a=a, b=b) + tool_message(a * b) + f"#### {a * b}"
 

@@ -19,6 +19,8 @@ from transformers import PreTrainedTokenizerBase
 from rlfleet.config.schema import DataConfig
 from rlfleet.data.errors import DataError
 from rlfleet.data.types import Example, Prompt
+from rlfleet.environments.interface import Message
+from rlfleet.errors import UserError
 
 _PLACEHOLDERS = ("", "0", "question")
 
@@ -176,3 +178,53 @@ def response_target_and_mask(
     encoded = tokenizer(answer, add_special_tokens=False, return_offsets_mapping=True)
     mask = [0 if any(a <= first < b for a, b in spans) else 1 for first, _ in encoded["offset_mapping"]]
     return [*encoded["input_ids"], tokenizer.eos_token_id], [*mask, 1]
+
+
+_MARK = "\x00rlfleet-turn\x00"
+
+
+class ObservationTemplate:
+    """Renders an environment's message as the tokens that follow a model turn, with the chat template.
+
+    The text is what the template puts after an assistant message's content when the observation follows
+    it, generation prompt included (ChatML: ``<|im_end|>\\n<|im_start|>tool\\n...<|im_end|>\\n<|im_start|>
+    assistant\\n``); when the turn already ended with EOS, the EOS text it starts with is dropped.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        eos = tokenizer.eos_token
+        self.eos_text = eos if isinstance(eos, str) else ""
+
+    def text(self, observation: Message, ended_with_eos: bool) -> str:
+        return self.text_of([observation], ended_with_eos)
+
+    def text_of(self, observations: Sequence[Message], ended_with_eos: bool) -> str:
+        """The text that follows a model turn when ``observations`` (one or more messages) come after it."""
+        messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}, *observations]
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:
+            roles = ", ".join(repr(o["role"]) for o in observations)
+            raise UserError(
+                f"the chat template cannot render messages with role {roles} after an assistant turn "
+                f"({exc!r}); use roles the template knows"
+            ) from exc
+        assert isinstance(rendered, str)
+        if _MARK not in rendered:
+            raise UserError(
+                "the chat template drops assistant messages; multi-turn episodes need one that keeps them"
+            )
+        after = rendered.split(_MARK, 1)[1]
+        if ended_with_eos and self.eos_text and after.startswith(self.eos_text):
+            after = after[len(self.eos_text) :]
+        return after
+
+    def ids(self, observation: Message, ended_with_eos: bool) -> list[int]:
+        return self.ids_of([observation], ended_with_eos)
+
+    def ids_of(self, observations: Sequence[Message], ended_with_eos: bool) -> list[int]:
+        text = self.text_of(observations, ended_with_eos)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

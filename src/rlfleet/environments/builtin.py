@@ -1,6 +1,6 @@
 """The environments rlfleet ships: ``math`` (single turn), ``tools`` (calculator and Python, multi-turn),
-``code`` (HumanEval-style tests in the sandbox), and two that score with a model, ``reward_model`` and
-``judge`` (their own modules).
+``code`` (HumanEval-style tests in the sandbox), two that score with a model, ``reward_model`` and
+``judge``, and ``agent`` (a user's agent behind the OpenAI API) (those three in their own modules).
 
 Each reads what it needs from an episode's metadata: ``ground_truth`` (the gold answer) for ``math`` and
 ``tools``, ``problem`` (a :class:`~rlfleet.environments.code.CodeProblem`) for ``code``.
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rlfleet.config.schema import BUILTIN_ENVIRONMENTS
+from rlfleet.environments.agent import AgentEnvironment
 from rlfleet.environments.code import CodeProblem, run_tests
 from rlfleet.environments.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
 from rlfleet.environments.judge import JudgeEnvironment
@@ -222,6 +223,7 @@ BUILTIN: dict[str, type[EnvironmentInterface[Any]]] = {
     "code": CodeEnvironment,
     "reward_model": RewardModelEnvironment,
     "judge": JudgeEnvironment,
+    "agent": AgentEnvironment,
 }
 """The environments a recipe may name without an import path (``env.<name>`` with these names)."""
 assert tuple(BUILTIN) == BUILTIN_ENVIRONMENTS, "BUILTIN follows rlfleet.config.schema.BUILTIN_ENVIRONMENTS"

@@ -34,6 +34,11 @@ def row_seeds(seed: int, count: int, offset: int = 0) -> list[int]:
     return out
 
 
+def turn_seed(episode_seed: int, turn: int) -> int:
+    """Turn 0 uses the episode's own seed (as a single-turn rollout does); later turns a derived one."""
+    return episode_seed if turn == 0 else row_seeds(episode_seed, 1, offset=turn)[0]
+
+
 def filtered_probs(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """``[B, V]`` sampling distribution: softmax of ``scaled`` (logits / temperature), top-k/top-p applied."""
     probs = torch.softmax(scaled, dim=-1)

@@ -74,6 +74,16 @@ def environment_settings(cfg: MasterConfig, name: str) -> tuple[str, dict[str, A
         return "reward_model", _reward_model_settings(env.reward_model), 0, math.inf
     if name == "judge":  # in the trainer; a server request is bounded by env.judge.timeout_s itself
         return "judge", _judge_settings(env.judge), 0, env.judge.timeout_s
+    if name == "agent":  # in the trainer: its agents call the run's endpoint, each within its timeout_s
+        a = env.agent
+        settings = {
+            "agent_fn": a.agent_fn,
+            "max_concurrency": a.max_concurrency,
+            "timeout_s": a.timeout_s,
+            "max_requests": a.max_requests,
+            "served_model_name": a.served_model_name,
+        }
+        return "agent", settings, 0, a.timeout_s
     custom = env.custom()
     if name not in custom:
         known = sorted([*BUILTIN, *custom])

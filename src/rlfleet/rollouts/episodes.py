@@ -32,54 +32,15 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from rlfleet.data import Prompt
+from rlfleet.data.prompts import ObservationTemplate
+from rlfleet.environments.agent import AgentEnvironment
 from rlfleet.environments.interface import Message
 from rlfleet.environments.runner import EnvRunner
 from rlfleet.errors import UserError
 from rlfleet.generation import GenerationBackend, GenerationResult, SamplingParams
-from rlfleet.generation.sampling import row_seeds
+from rlfleet.generation.sampling import row_seeds, turn_seed
+from rlfleet.rollouts.agents import AgentDriver
 from rlfleet.rollouts.rollout import Rollout
-
-_MARK = "\x00rlfleet-turn\x00"
-
-
-class ObservationTemplate:
-    """Renders an environment's message as the tokens that follow a model turn, with the chat template.
-
-    The text is what the template puts after an assistant message's content when the observation follows
-    it, generation prompt included (ChatML: ``<|im_end|>\\n<|im_start|>tool\\n...<|im_end|>\\n<|im_start|>
-    assistant\\n``); when the turn already ended with EOS, the EOS text it starts with is dropped.
-    """
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.tokenizer = tokenizer
-        eos = tokenizer.eos_token
-        self.eos_text = eos if isinstance(eos, str) else ""
-
-    def text(self, observation: Message, ended_with_eos: bool) -> str:
-        messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}, observation]
-        try:
-            rendered = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as exc:
-            raise UserError(
-                f"the chat template cannot render an environment message with role {observation['role']!r} "
-                f"after an assistant turn ({exc!r}); return observations with a role the template knows"
-            ) from exc
-        assert isinstance(rendered, str)
-        if _MARK not in rendered:
-            raise UserError(
-                "the chat template drops assistant messages; multi-turn episodes need one that keeps them"
-            )
-        after = rendered.split(_MARK, 1)[1]
-        if ended_with_eos and self.eos_text and after.startswith(self.eos_text):
-            after = after[len(self.eos_text) :]
-        return after
-
-    def ids(self, observation: Message, ended_with_eos: bool) -> list[int]:
-        return list(
-            self.tokenizer(self.text(observation, ended_with_eos), add_special_tokens=False)["input_ids"]
-        )
 
 
 @dataclass
@@ -113,11 +74,6 @@ class Episode:
         self.token_ids.extend(ids)
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
         self.mask.extend([1 if logprobs is not None else 0] * len(ids))
-
-
-def turn_seed(episode_seed: int, turn: int) -> int:
-    """Turn 0 uses the episode's own seed (as a single-turn rollout does); later turns a derived one."""
-    return episode_seed if turn == 0 else row_seeds(episode_seed, 1, offset=turn)[0]
 
 
 def initial_messages(prompt: Prompt, system_prompt: str | None) -> list[Message]:
@@ -169,6 +125,7 @@ class EpisodeRunner:
         self.max_turns, self.max_seq_len, self.system_prompt = max_turns, max_seq_len, system_prompt
         self.template = ObservationTemplate(tokenizer)
         self.tokenizer = tokenizer
+        self._drivers: dict[str, AgentDriver] = {}
         if self.environments and default_env not in self.environments:
             raise ValueError(f"default environment {default_env!r} is not one of {sorted(self.environments)}")
 
@@ -202,6 +159,13 @@ class EpisodeRunner:
             )
         seconds = {"generation": 0.0, "env": 0.0}
         problems = [0, 0]
+        agent_metrics: dict[str, float] = {}
+        for name, driver in self._agent_drivers(episodes).items():
+            start = time.perf_counter()
+            timeouts, errors, agent_metrics = driver.run([e for e in episodes if e.env == name], params)
+            seconds["generation"] += time.perf_counter() - start
+            problems[0] += timeouts
+            problems[1] += errors
         for turn in range(self.max_turns):
             active = [e for e in episodes if not e.done]
             if not active:
@@ -215,9 +179,18 @@ class EpisodeRunner:
             problems[0] += timeouts
             problems[1] += errors
         start = time.perf_counter()
-        metrics = self._metrics(episodes)
+        metrics = {**self._metrics(episodes), **agent_metrics}
         seconds["env"] += time.perf_counter() - start
         return EpisodeBatch([self._rollout(e) for e in episodes], problems[0], problems[1], metrics, seconds)
+
+    def _agent_drivers(self, episodes: Sequence[Episode]) -> dict[str, AgentDriver]:
+        """The drivers of the ``agent`` environments these episodes use, started on first use (their
+        endpoint stops with the environment, when the run closes its runners)."""
+        for name in {e.env for e in episodes} - set(self._drivers):
+            environment = self.environments[name].environment
+            if isinstance(environment, AgentEnvironment):
+                self._drivers[name] = AgentDriver(environment, self.backend, self.tokenizer, self.max_seq_len)
+        return {name: d for name, d in self._drivers.items() if any(e.env == name for e in episodes)}
 
     # ------------------------------------------------------------------------------------------- a turn
 

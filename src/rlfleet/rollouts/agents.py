@@ -1,0 +1,222 @@
+"""Episodes played by agents that speak the OpenAI API (the ``agent`` environment), many at once.
+
+The first time a run rolls out agent episodes it starts an OpenAI-compatible endpoint in front of its
+generation backend (:mod:`rlfleet.serving`; 127.0.0.1, a free port, agent episodes only). Each episode gets
+a URL of its own (``http://127.0.0.1:<port>/episodes/<key>/v1``) and its agent runs with a client for it:
+synchronous agents in threads, ``async`` ones on an event loop, at most ``env.agent.max_concurrency`` at a
+time, each within ``env.agent.timeout_s``. Requests from all the agents are sampled together in batches.
+
+An agent that raises, returns something that is not a finite number, or runs out of time costs its own
+episode only: reward 0, counted in ``train/env_errors`` or ``train/env_timeouts``, the first error logged. Its
+URL is closed when its time is up, so a late request is refused and cannot touch the next training step (a
+synchronous function that never returns keeps its thread, a daemon, until the process ends).
+
+Once the agents are done, each episode's record becomes its training sequence (the last segment's tokens,
+exactly as sampled) with the agent's reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from transformers import PreTrainedTokenizerBase
+
+from rlfleet.environments.agent import AgentEnvironment
+from rlfleet.generation import GenerationBackend, SamplingParams
+from rlfleet.serving.engine import PolicyEndpoint, ServingLimits
+from rlfleet.serving.record import EpisodeRecord
+from rlfleet.serving.server import ServerSettings, ServerThread
+
+if TYPE_CHECKING:
+    from rlfleet.rollouts.episodes import Episode
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.01
+
+
+@dataclass
+class _Outcome:
+    reward: float = 0.0
+    error: BaseException | None = None
+    timed_out: bool = False
+
+
+class AgentDriver:
+    """Runs an agent environment's episodes through the run's endpoint (see the module docstring)."""
+
+    def __init__(
+        self,
+        environment: AgentEnvironment,
+        backend: GenerationBackend,
+        tokenizer: PreTrainedTokenizerBase,
+        max_seq_len: int,
+    ) -> None:
+        self.environment, self.tokenizer = environment, tokenizer
+        limits = ServingLimits(max_seq_len, max_seq_len, environment.max_requests)
+        self.endpoint = PolicyEndpoint(
+            backend, tokenizer, environment.served_model_name, limits, episodes_only=True
+        )
+        try:
+            self.server = ServerThread(self.endpoint, ServerSettings())
+        except BaseException:
+            self.endpoint.close()
+            raise
+        self._errors_logged = 0
+        environment.on_close(self.close)
+
+    def close(self) -> None:
+        self.server.close()
+        self.endpoint.close()
+
+    def run(self, episodes: Sequence[Episode], params: SamplingParams) -> tuple[int, int, dict[str, float]]:
+        """Plays ``episodes`` (filling in their tokens, reward and counters); returns the number that timed
+        out, the number that failed, and the agents' metrics."""
+        keys = [self.endpoint.open_episode(e.seed, params) for e in episodes]
+        tasks = [_task(e) for e in episodes]
+        urls = [f"{self.server.base_url}/episodes/{key}/v1" for key in keys]
+        try:
+            if self.environment.is_async:
+                outcomes = asyncio.run(self._run_async(tasks, urls))
+            else:
+                outcomes = self._run_threads(tasks, urls)
+        finally:
+            records = self.endpoint.close_episodes(keys)
+        for episode, record, outcome in zip(episodes, records, outcomes, strict=True):
+            self._fill(episode, record, outcome)
+        n = max(len(episodes), 1)
+        metrics = {
+            "agent/requests_per_episode": sum(r.requests for r in records) / n,
+            "agent/history_edits": sum(r.history_edits for r in records) / n,
+            "agent/dropped_tokens": sum(r.dropped_tokens for r in records) / n,
+        }
+        timeouts = sum(o.timed_out for o in outcomes)
+        errors = sum(o.error is not None for o in outcomes)
+        return timeouts, errors, metrics
+
+    # --------------------------------------------------------------------------------------------- agents
+
+    def _call(self, task: dict[str, Any], url: str) -> float:
+        import openai
+
+        client = openai.OpenAI(
+            base_url=url, api_key="rlfleet", max_retries=0, timeout=self.environment.timeout_s
+        )
+        try:
+            return _reward(self.environment.agent_fn(task, client, self.environment.served_model_name))
+        finally:
+            client.close()
+
+    def _run_threads(self, tasks: list[dict[str, Any]], urls: list[str]) -> list[_Outcome]:
+        played = [_Outcome() for _ in tasks]  # written by the agents' threads
+        outcomes = [_Outcome(timed_out=True) for _ in tasks]  # what the run keeps
+        finished = [threading.Event() for _ in tasks]
+
+        def play(i: int) -> None:
+            try:
+                played[i].reward = self._call(tasks[i], urls[i])
+            except BaseException as exc:  # the agent's failure costs its episode
+                played[i].error = exc
+            finally:
+                finished[i].set()
+
+        waiting, running = list(range(len(tasks))), dict[int, float]()
+        while waiting or running:
+            while waiting and len(running) < self.environment.max_concurrency:
+                i = waiting.pop(0)
+                threading.Thread(target=play, args=(i,), name=f"rlfleet-agent-{i}", daemon=True).start()
+                running[i] = time.monotonic() + self.environment.timeout_s
+            for i, deadline in list(running.items()):
+                if finished[i].is_set():
+                    outcomes[i] = played[i]
+                    del running[i]
+                elif time.monotonic() > deadline:  # timed out: the thread is abandoned, its URL closes
+                    del running[i]
+            time.sleep(_POLL_S)
+        return outcomes
+
+    async def _run_async(self, tasks: list[dict[str, Any]], urls: list[str]) -> list[_Outcome]:
+        import openai
+
+        slots = asyncio.Semaphore(self.environment.max_concurrency)
+
+        async def play(task: dict[str, Any], url: str) -> _Outcome:
+            async with slots:
+                client = openai.AsyncOpenAI(
+                    base_url=url, api_key="rlfleet", max_retries=0, timeout=self.environment.timeout_s
+                )
+                try:
+                    call = self.environment.agent_fn(task, client, self.environment.served_model_name)
+                    return _Outcome(_reward(await asyncio.wait_for(call, self.environment.timeout_s)))
+                except TimeoutError:
+                    return _Outcome(timed_out=True)
+                except Exception as exc:
+                    return _Outcome(error=exc)
+                finally:
+                    await client.close()
+
+        return list(await asyncio.gather(*(play(t, u) for t, u in zip(tasks, urls, strict=True))))
+
+    # -------------------------------------------------------------------------------------------- records
+
+    def _fill(self, episode: Episode, record: EpisodeRecord, outcome: _Outcome) -> None:
+        """The episode as the agent played it: its last segment's tokens, the agent's reward."""
+        if outcome.error is not None:
+            self._log_error(outcome.error)
+        failed = outcome.error is not None or outcome.timed_out
+        episode.reward = 0.0 if failed else outcome.reward
+        episode.failed, episode.done, episode.turns = failed, True, record.requests
+        episode.cut = record.cut
+        episode.last_turn_finished = record.last_finished
+        segment = record.current
+        if segment is not None:
+            text = str(self.tokenizer.decode(segment.prompt_ids, skip_special_tokens=False))
+            episode.prompt = replace(episode.prompt, token_ids=tuple(segment.prompt_ids), text=text)
+            episode.token_ids, episode.logprobs, episode.mask = (
+                segment.token_ids,
+                segment.logprobs,
+                segment.mask,
+            )
+        if record.conversation:
+            episode.messages = record.conversation
+        metadata = episode.metadata if isinstance(episode.metadata, dict) else {}
+        episode.metadata = {
+            **metadata,
+            "agent_requests": record.requests,
+            "history_edits": record.history_edits,
+        }
+
+    def _log_error(self, exc: BaseException) -> None:
+        self._errors_logged += 1
+        if self._errors_logged == 1:
+            log.warning(
+                "an agent failed (%s: %s); its episode ends with reward 0 and counts in train/env_errors; "
+                "further agent errors are counted, not logged",
+                type(exc).__name__,
+                str(exc)[:500],
+            )
+
+
+def _task(episode: Episode) -> dict[str, Any]:
+    """What the agent function receives: the row's fields and the conversation rlfleet would start with."""
+    metadata = episode.metadata if isinstance(episode.metadata, dict) else {}
+    return {
+        "question": episode.prompt.example.question,
+        **metadata,
+        "messages": [dict(m) for m in episode.messages],
+    }
+
+
+def _reward(value: Any) -> float:
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        raise TypeError(
+            f"an agent must return its episode's reward, a finite number; it returned {value!r:.80}"
+        )
+    return float(value)
