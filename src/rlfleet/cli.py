@@ -9,6 +9,7 @@ traceback, exit code 1.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -159,13 +160,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from rlfleet.algorithms.evaluation import run_eval
 
-    target = Path(args.target)
-    checkpoint = target if (target / "config.yaml").is_file() else None
-    if checkpoint is not None:
-        from rlfleet.checkpoint import verify_checkpoint
-
-        verify_checkpoint(checkpoint)
-    recipe = str(target / "config.yaml") if checkpoint else args.target
+    recipe, checkpoint = _target(args.target)
     cfg = _load(recipe, args.overrides)
     ensure_runnable(cfg)
     # the scored responses go beside the report, or under the recipe's log directory without one
@@ -177,6 +172,53 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(report.to_json() + "\n")
         print(f"wrote {args.out}")
+    return 0
+
+
+def _target(target: str) -> tuple[str, Path | None]:
+    """A command's recipe and checkpoint: a ``step_N`` checkpoint directory (checked) runs its own
+    ``config.yaml``; anything else is a recipe."""
+    path = Path(target)
+    checkpoint = path if (path / "config.yaml").is_file() else None
+    if checkpoint is None:
+        return target, None
+    from rlfleet.checkpoint import verify_checkpoint
+
+    verify_checkpoint(checkpoint)
+    return str(checkpoint / "config.yaml"), checkpoint
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from rlfleet.runtime.serve import serve
+    from rlfleet.serving.server import ServerSettings
+
+    recipe, checkpoint = _target(args.target)
+    cfg = _load(recipe, args.overrides)
+    ensure_runnable(cfg)
+    api_key = None
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            raise UserError(f"--api-key-env {args.api_key_env}: that environment variable is not set")
+    settings = ServerSettings(host=args.host, port=args.port, api_key=api_key)
+
+    def ready(url: str) -> None:
+        from rlfleet.logging.capture import terminal
+
+        out, model = terminal(), args.served_model_name
+        request = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hi"}]})
+        print(f"serving {model!r} at {url} (Ctrl-C stops); try:", file=out, flush=True)
+        print(
+            f"  curl {url}/chat/completions -H 'Content-Type: application/json' -d '{request}'",
+            file=out,
+            flush=True,
+        )
+
+    try:
+        with quiet_console(args, cfg.logger.log_dir):
+            serve(cfg, checkpoint, settings, args.served_model_name, ready)
+    except KeyboardInterrupt:
+        print("rlfleet: server stopped", file=sys.stderr)
     return 0
 
 
@@ -265,6 +307,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(else to logger.log_dir/eval_samples.jsonl)",
     )
     p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("serve", help="an OpenAI-compatible endpoint serving a recipe's model or a checkpoint")
+    p.add_argument("target", help="recipe (path or shipped name) or a step_N checkpoint directory")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument(
+        "--api-key-env",
+        help="name of the environment variable holding the API key requests must send (required to listen "
+        "on an address other than loopback)",
+    )
+    p.add_argument(
+        "--served-model-name", default="policy", help="the model name requests use (default policy)"
+    )
+    p.set_defaults(func=cmd_serve)
     p = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
     p.add_argument("checkpoint", help="a step_N checkpoint directory")
     p.add_argument("out_dir")

@@ -3,6 +3,9 @@ environment, whose episodes train on exactly the tokens the endpoint sampled."""
 
 from __future__ import annotations
 
+import re
+import signal
+import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,7 +26,7 @@ from rlfleet.logging import read_metrics
 from rlfleet.rollouts.episodes import EpisodeRunner
 from rlfleet.serving.engine import PolicyEndpoint, ServingLimits
 from rlfleet.serving.server import ServerSettings, ServerThread, check_settings
-from tests.conftest import small_grpo_config
+from tests.conftest import ROOT, _signals_as_in_a_terminal, cli_argv, cli_env, small_grpo_config
 from tests.functional import agents_for_tests
 from tests.functional.agents_for_tests import SEEN
 
@@ -295,9 +298,12 @@ def test_a_bad_agent_path_fails_before_anything_runs() -> None:
     assert agents_for_tests.two_turns  # the module the recipe names is importable
 
 
-def test_grpo_trains_an_openai_api_agent(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_grpo_trains_an_openai_api_agent_and_rlfleet_serve_serves_the_checkpoint(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """Two GRPO steps on episodes an OpenAI-API agent plays (two requests each): the trainer scores the
-    recorded tokens as the engine sampled them, and the update moves the policy."""
+    recorded tokens as the engine sampled them, and the update moves the policy. Then ``rlfleet serve``
+    serves the checkpoint to the OpenAI client (greedy: the same reply twice) and stops on Ctrl-C."""
     cfg = small_grpo_config(
         tiny_model_dir,
         tmp_path,
@@ -316,3 +322,33 @@ def test_grpo_trains_an_openai_api_agent(tiny_model_dir: Path, tmp_path: Path) -
         assert record["train/gen_logprob_error"] < 1e-4
         assert record["train/grad_norm"] > 0
     assert records[-1]["val/agent/requests_per_episode"] == 2.0
+
+    # rlfleet serve: the trained checkpoint behind the endpoint, until Ctrl-C
+    checkpoint = tmp_path / "ckpt" / "step_2"
+    server = subprocess.Popen(
+        cli_argv("serve", str(checkpoint), f"logger.log_dir={tmp_path / 'serve'}", "--port", "0"),
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_signals_as_in_a_terminal,
+    )
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        url = re.search(r"at (http://\S+/v1)", line)
+        assert url, line + (server.stderr.read() if server.stderr and server.poll() is not None else "")
+        assert "curl " in server.stdout.readline()
+        client = openai.OpenAI(base_url=url.group(1), api_key="none", max_retries=0)
+        question = [{"role": "user", "content": "What is 2 + 3?"}]
+        replies = [
+            client.chat.completions.create(model="policy", messages=question, temperature=0, max_tokens=8)
+            for _ in range(2)
+        ]
+        assert replies[0].choices[0].message.content == replies[1].choices[0].message.content  # greedy
+        assert replies[0].usage.completion_tokens == len(replies[0].choices[0].token_ids) > 0
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, stderr = server.communicate(timeout=60)
+    assert server.returncode == 0 and "server stopped" in stderr, stderr[-2000:]
