@@ -289,6 +289,35 @@ def test_a_failing_or_hanging_agent_costs_its_episode_only(model_and_tokenizer: 
         runner.environments["agent"].close()
 
 
+def test_the_calculator_agent_samples_what_the_tools_environment_samples(
+    model_and_tokenizer: tuple[Any, Any],
+) -> None:
+    """The shipped OpenAI-API agent and the ``tools`` environment's turn loop, same rows and seed: the same
+    prompts (rendered with the calculator's schema), stop strings and per-turn seeds, so the same tokens and
+    rewards."""
+    model, tokenizer = model_and_tokenizer
+    backend = HFGenerationBackend(model, tokenizer, batch_size=16)
+    tools_env = build_environment("tools", {"tools": ["calculator"], "max_tool_calls": 2})
+    examples = [Example(f"What is {a} * {b}?", "", str(a * b)) for a, b in [(12, 34), (56, 7), (8, 90)]]
+    rows = build_prompts(
+        tokenizer, examples, system_prompt=None, max_prompt_tokens=None, tools=tools_env.tools
+    )[0]
+    params = SamplingParams(max_new_tokens=24)
+    loop = EpisodeRunner(backend, tokenizer, {"tools": InProcessRunner("tools", tools_env)}, "tools", 3, 256)
+    expected = loop.run(rows, 2, params, seed=11).rollouts
+    agent = build_environment("agent", {"agent_fn": "rlfleet.examples.calculator_agent:run"})
+    runner = EpisodeRunner(backend, tokenizer, {"agent": InProcessRunner("agent", agent)}, "agent", 3, 256)
+    try:
+        played = runner.run(rows, 2, params, seed=11).rollouts
+    finally:
+        agent.close()
+    for mine, theirs in zip(played, expected, strict=True):
+        assert mine.prompt.token_ids == theirs.prompt.token_ids
+        assert mine.result.token_ids == theirs.result.token_ids and mine.mask == theirs.mask
+        assert mine.result.logprobs == pytest.approx(theirs.result.logprobs)
+        assert mine.reward == theirs.reward
+
+
 def test_a_bad_agent_path_fails_before_anything_runs() -> None:
     for spec in ["tests.functional.agents_for_tests:nope", "", "no_colon", "missing/file.py:run"]:
         with pytest.raises(UserError, match="agent_fn"):

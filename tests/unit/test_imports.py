@@ -141,7 +141,7 @@ LAYERS = [
     {"rollouts"},
     {"runtime"},
     {"algorithms"},
-    {"demo", "cli"},
+    {"demo", "cli", "examples"},
 ]
 
 

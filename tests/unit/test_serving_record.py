@@ -151,7 +151,8 @@ def test_malformed_messages_are_400_errors(raw: list[dict], words: str) -> None:
 
 def test_a_reply_with_calls_of_the_requests_tools_comes_back_as_tool_calls() -> None:
     tools = read_tools(CALC)
-    text = 'Let me compute.<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*3"}}\n</tool_call>'
+    call = '{"name": "calculator", "arguments": {"expression": "12*3"}}'
+    text = f"Let me compute.<tool_call>\n{call}\n</tool_call>"
     reply = reply_message(text, tools)
     assert reply.content == "Let me compute." and reply.tool_calls == (
         ("calculator", '{"expression": "12*3"}'),
