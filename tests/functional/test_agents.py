@@ -318,6 +318,24 @@ def test_the_calculator_agent_samples_what_the_tools_environment_samples(
         assert mine.reward == theirs.reward
 
 
+def test_the_readme_agent_runs_from_its_file(model_and_tokenizer: tuple[Any, Any], tmp_path: Path) -> None:
+    """The README's 20-line agent, saved as a file and named by path (``file.py:run``), plays episodes."""
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("<!-- agent-example -->\n```python\n", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) <= 20
+    (tmp_path / "my_agent.py").write_text(code)
+    model, tokenizer = model_and_tokenizer
+    backend = HFGenerationBackend(model, tokenizer, batch_size=8)
+    env = build_environment("agent", {"agent_fn": f"{tmp_path / 'my_agent.py'}:run"})
+    runner = EpisodeRunner(backend, tokenizer, {"agent": InProcessRunner("agent", env)}, "agent", 3, 256)
+    try:
+        batch = runner.run(prompts(tokenizer, ["6", "8"]), 2, SamplingParams(max_new_tokens=8), seed=3)
+    finally:
+        env.close()
+    assert batch.num_errors == 0 and batch.num_timeouts == 0 and len(batch.rollouts) == 4
+    assert all(r.info is not None and r.info["turns"] >= 1 for r in batch.rollouts)
+
+
 def test_a_bad_agent_path_fails_before_anything_runs() -> None:
     for spec in ["tests.functional.agents_for_tests:nope", "", "no_colon", "missing/file.py:run"]:
         with pytest.raises(UserError, match="agent_fn"):

@@ -12,7 +12,13 @@ from benchmarks import agents
 
 def test_arguments_default_to_the_shipped_comparison() -> None:
     args = agents.parse_args([])
-    assert (args.steps, args.agents, args.tokens, args.quick, args.skip_training) == (20, 64, 32, False, False)
+    assert (args.steps, args.agents, args.tokens, args.quick, args.skip_training) == (
+        20,
+        64,
+        32,
+        False,
+        False,
+    )
     assert agents.parse_args(["--quick", "--skip-training"]).skip_training
     with pytest.raises(SystemExit):
         agents.parse_args(["--steps", "x"])
