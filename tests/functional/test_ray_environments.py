@@ -1,5 +1,6 @@
 """Multi-turn GRPO on Ray: colocated and dedicated generation, environments stepped in Ray actors, and
-asynchronous GRPO. Sampling is batch-invariant per turn, so the colocated run reproduces one process."""
+asynchronous GRPO on an OpenAI-API agent's episodes. Sampling is batch-invariant per turn, so the colocated
+run reproduces one process."""
 
 from __future__ import annotations
 
@@ -45,10 +46,14 @@ def test_dedicated_generation_and_async_grpo_run_multi_turn(
         tiny_model_dir, tmp_path / "dedicated", *SCRIPTED, *TWO_STEPS, *RAY, *IN_ACTORS, *DEDICATED
     )
     check_multi_turn(records)
+    # asynchronous GRPO on episodes an OpenAI-API agent plays: the endpoint in the driver samples from
+    # the dedicated engine, the next step's agents run while this step trains
     _, records = train(
         tiny_model_dir,
         tmp_path / "async",
-        *SCRIPTED,
+        "data.env_name=agent",
+        "env.agent.agent_fn=tests.functional.agents_for_tests:two_turns",
+        "policy.max_total_sequence_length=200",
         "grpo.max_num_steps=2",
         *RAY,
         *DEDICATED,
@@ -60,3 +65,4 @@ def test_dedicated_generation_and_async_grpo_run_multi_turn(
     steps = [r for r in records if r["step"] > 0]
     assert [r["train/trajectory_age"] for r in steps] == [0.0, 1.0]
     assert all(r["train/turns_per_episode"] == 2.0 for r in steps)
+    assert all(r["train/agent/requests_per_episode"] == 2.0 and r["train/reward_errors"] == 0 for r in steps)

@@ -133,6 +133,38 @@ def test_refit_loads_the_trainers_new_weights(
         engine.refit()
 
 
+def test_the_endpoint_serves_agents_from_the_vllm_engine(
+    engine: VLLMGenerationBackend, worker: PolicyWorker
+) -> None:
+    """Agent episodes sampled by the vLLM engine through the OpenAI-compatible endpoint: the training tokens
+    are the ids the client was sent, and the trainer scores them as the engine did."""
+    from tests.functional.agents_for_tests import SEEN
+    from tests.functional.test_agents import agent_runner
+    from tests.functional.test_agents import prompts as agent_prompts
+
+    SEEN.clear()
+    runner = agent_runner(engine, worker.tokenizer, "two_turns")
+    try:
+        batch = runner.run(agent_prompts(worker.tokenizer, ["1", "2"]), 1, SAMPLED, seed=4)
+    finally:
+        runner.environments["agent"].close()
+    assert batch.num_errors == 0 and batch.metrics["agent/requests_per_episode"] == 2.0
+    for rollout in batch.rollouts:
+        _, second = SEEN[rollout.prompt.example.question]
+        sequence = [*rollout.prompt.token_ids, *rollout.result.token_ids]
+        assert sequence == second["prompt_token_ids"] + second["token_ids"]
+    rows = collate(
+        [r.prompt.token_ids for r in batch.rollouts],
+        [r.result.token_ids for r in batch.rollouts],
+        worker.tokenizer.pad_token_id,
+        [r.result.logprobs for r in batch.rollouts],
+        [r.mask for r in batch.rollouts],
+    )
+    trainer = worker.logprobs(rows, micro_batching=8, temperature=SAMPLED.temperature)
+    assert float(((trainer - rows.generation_logprobs).abs() * rows.response_mask).max()) < 1e-4
+    assert rows.response_mask.sum() > 0
+
+
 def test_engine_without_a_model_generates_only_after_load_buckets(
     engine: VLLMGenerationBackend, worker: PolicyWorker, prompts: list[list[int]]
 ) -> None:

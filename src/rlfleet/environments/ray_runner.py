@@ -4,7 +4,7 @@
 The actor builds the environment once (its model loads there, on the actor's GPU when
 ``env.<name>.resources.gpus_per_node=1``) and steps a whole step's batch at once, with the trainer-side
 runner's semantics (:class:`~rlfleet.environments.runner.InProcessRunner`): a batch that fails is stepped one
-item at a time, so only the bad items cost (reward 0, counted in ``env_errors``).
+item at a time, so only the bad items cost (reward 0, counted in ``train/reward_errors``).
 
 An actor that dies mid-step (killed, out of memory, its node lost) is started again and the step re-sent
 once; if that fails too, the step's items count as errors (reward 0) and the run goes on. An actor that

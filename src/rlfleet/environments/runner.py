@@ -8,8 +8,8 @@
   :class:`~rlfleet.workers.ray_pool.RayWorkerPool`), with the same per-item time bound (``timeout_s``),
   restart of a dead or stuck worker, and counting.
 
-A failed item (raised, timed out, malformed) ends its episode with reward 0, counts in ``env_errors`` or
-``env_timeouts``, and the first failure of each kind is logged.
+A failed item (raised, timed out, malformed) ends its episode with reward 0, counts in
+``train/reward_errors`` or ``train/reward_timeouts``, and the first failure of each kind is logged.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class InProcessRunner:
             self._logged.add(kind)
             log.error(
                 "environment %s failed on an item (%s: %s); such items end with reward 0 and count in "
-                "train/env_errors; further %s errors are counted, not logged",
+                "train/reward_errors; further %s errors are counted, not logged",
                 self.name,
                 kind,
                 str(exc)[:500],

@@ -7,9 +7,10 @@ synchronous agents in threads, ``async`` ones on an event loop, at most ``env.ag
 time, each within ``env.agent.timeout_s``. Requests from all the agents are sampled together in batches.
 
 An agent that raises, returns something that is not a finite number, or runs out of time costs its own
-episode only: reward 0, counted in ``train/env_errors`` or ``train/env_timeouts``, the first error logged. Its
-URL is closed when its time is up, so a late request is refused and cannot touch the next training step (a
-synchronous function that never returns keeps its thread, a daemon, until the process ends).
+episode only: reward 0, counted in ``train/reward_errors`` or ``train/reward_timeouts``, the first error
+logged. Its URL is closed when its time is up, so a late request is refused and cannot touch the next
+training step (a synchronous function that never returns keeps its thread, a daemon, until the process
+ends).
 
 Once the agents are done, each episode's record becomes its training sequence (the last segment's tokens,
 exactly as sampled) with the agent's reward.
@@ -197,7 +198,7 @@ class AgentDriver:
         self._errors_logged += 1
         if self._errors_logged == 1:
             log.warning(
-                "an agent failed (%s: %s); its episode ends with reward 0 and counts in train/env_errors; "
+                "an agent failed (%s: %s); its episode ends with reward 0 and counts in train/reward_errors; "
                 "further agent errors are counted, not logged",
                 type(exc).__name__,
                 str(exc)[:500],
