@@ -280,6 +280,37 @@ def test_every_schema_key_is_read_by_some_component(
     ):
         scored = small_grpo_config(tiny_model_dir, tmp_path / name, "eval.max_val_samples=2", *env)
         run_eval(ReadRecorder(scored, recorded))  # type: ignore[arg-type]
+    # O: eval of reasoning-gym rows, scored by the tasks' own verifiers; P: eval of episodes an OpenAI-API
+    # agent plays through the endpoint
+    for name, env in (
+        (
+            "o",
+            [
+                "data.dataset_name=reasoning_gym",
+                "data.env_name=reasoning_gym",
+                "data.reasoning_gym.tasks=[chain_sum]",
+                "data.reasoning_gym.train_size=4",
+                "data.reasoning_gym.val_size=2",
+                "data.reasoning_gym.seed=5",
+                "+data.reasoning_gym.task_config.chain_sum.max_terms=3",
+                "env.reasoning_gym.num_workers=0",
+                "env.reasoning_gym.timeout_s=5",
+            ],
+        ),
+        (
+            "p",
+            [
+                "data.env_name=agent",
+                "env.agent.agent_fn=tests.functional.agents_for_tests:two_turns",
+                "env.agent.max_concurrency=2",
+                "env.agent.timeout_s=60",
+                "env.agent.max_requests=4",
+                "env.agent.served_model_name=tiny",
+            ],
+        ),
+    ):
+        scored = small_grpo_config(tiny_model_dir, tmp_path / name, "eval.max_val_samples=2", *env)
+        run_eval(ReadRecorder(scored, recorded))  # type: ignore[arg-type]
     # M: a Bradley-Terry reward model on arithmetic pairs (the policy loaded as a sequence classifier).
     rm = small_rm_config(
         tiny_model_dir,
