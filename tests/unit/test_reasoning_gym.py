@@ -45,6 +45,8 @@ def test_unknown_tasks_and_bad_settings_are_data_errors() -> None:
         ("<answer>1</answer> no wait <answer> 7 </answer>", "7"),
         ("so the total is 12.\n#### 12", "12"),
         ("The result: 41", "41"),
+        ("So -(2 / 1) = -2.", "-2"),
+        ("the total is 1,012.", "1012"),
         ("no digits here\nfinal: yes", "final: yes"),
         ("", ""),
     ],

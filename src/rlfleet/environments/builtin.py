@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rlfleet.answers import final_answer
+from rlfleet.answers import extract_answer
 from rlfleet.config.schema import BUILTIN_ENVIRONMENTS
 from rlfleet.environments.agent import AgentEnvironment
 from rlfleet.environments.code import CodeProblem, run_tests
@@ -224,14 +224,15 @@ _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 def reply_answer(reply: str) -> str:
     """The answer a reply gives to a reasoning-gym task: the content of its last ``<answer>...</answer>``
-    (reasoning-gym's convention), else its final answer as ``math`` reads it (after ``####``, in
-    ``\\boxed{}``, the last number), else its last line."""
+    (reasoning-gym's convention), else its final number as ``math`` reads it (after ``####``, in
+    ``\\boxed{}``, else the last number; thousands separators and a closing period dropped), else its last
+    line."""
     tagged = _ANSWER_TAG.findall(reply)
     if tagged:
         return str(tagged[-1]).strip()
-    final = final_answer(reply)
-    if final is not None:
-        return final.text.strip()
+    number = extract_answer(reply)  # "#### 12", "\\boxed{12}", "... is 1,012." -> the number alone
+    if number is not None:
+        return number
     lines = [line.strip() for line in reply.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""
 

@@ -23,7 +23,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -85,7 +85,7 @@ class AgentDriver:
         urls = [f"{self.server.base_url}/episodes/{key}/v1" for key in keys]
         try:
             if self.environment.is_async:
-                outcomes = asyncio.run(self._run_async(tasks, urls))
+                outcomes = _in_a_loop_of_its_own(lambda: self._run_async(tasks, urls))
             else:
                 outcomes = self._run_threads(tasks, urls)
         finally:
@@ -203,6 +203,26 @@ class AgentDriver:
                 type(exc).__name__,
                 str(exc)[:500],
             )
+
+
+def _in_a_loop_of_its_own(make: Callable[[], Coroutine[Any, Any, list[_Outcome]]]) -> list[_Outcome]:
+    """Runs the coroutine on an event loop in a thread of its own (the caller's thread may already run one:
+    a notebook's)."""
+    result: list[list[_Outcome]] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(asyncio.run(make()))
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="rlfleet-agents", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 def _task(episode: Episode) -> dict[str, Any]:
