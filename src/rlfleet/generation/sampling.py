@@ -56,9 +56,12 @@ def filtered_probs(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """``[B]`` token ids: for each row the first token whose cumulative mass exceeds ``u * total``."""
-    cdf = probs.cumsum(dim=-1)
+def inverse_cdf_sample(
+    probs: torch.Tensor, uniforms: torch.Tensor, *, in_place: bool = False
+) -> torch.Tensor:
+    """``[B]`` token ids: for each row the first token whose cumulative mass exceeds ``u * total``
+    (``in_place``: ``probs`` becomes the cumulative sums, saving a ``[B, V]`` buffer)."""
+    cdf = probs.cumsum_(dim=-1) if in_place else probs.cumsum(dim=-1)
     target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
     picked = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return picked.clamp_(max=probs.shape[-1] - 1)
@@ -86,16 +89,25 @@ class SeededRowSampler(LogitsProcessor):
         ]
         self.uniforms = torch.stack(draws) if draws else torch.empty((0, params.max_new_tokens))
         self._steps: list[torch.Tensor] = []  # per step, [B] logprobs of the drawn tokens
+        self._onehot: torch.Tensor | None = None  # the [B, V] scores returned, one buffer for every step
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """Each step sums the probabilities in place and writes the returned scores into one buffer kept for
+        every step: with a large vocabulary (Gemma 3's 262k) each fresh ``[B, V]`` block costs page faults,
+        on each of hundreds of steps."""
         position = input_ids.shape[1] - self.prompt_width
-        scaled = scores.float() / self.params.temperature  # [B, V], drawn from and scored
-        probs = filtered_probs(scaled, self.params)
-        tokens = inverse_cdf_sample(probs, self.uniforms[:, position].to(probs.device))
+        scaled = scores.float()
+        if self.params.temperature != 1.0:
+            scaled = scaled / self.params.temperature  # [B, V], drawn from and scored
+        probs = filtered_probs(scaled, self.params)  # a new tensor: summed in place below
+        tokens = inverse_cdf_sample(probs, self.uniforms[:, position].to(probs.device), in_place=True)
         self._steps.append(scaled_logprobs(scaled, tokens))
-        onehot = torch.full_like(scores, float("-inf"))
+        if self._onehot is None or self._onehot.shape != scores.shape:
+            self._onehot = torch.empty_like(scores)
+        # generate reads the scores once (its greedy argmax) and keeps none (output_scores=False)
+        onehot = self._onehot.fill_(float("-inf")).scatter_(-1, tokens.unsqueeze(-1), 0.0)
         # transformers annotates logits as the legacy FloatTensor class; they are plain float tensors
-        return onehot.scatter_(-1, tokens.unsqueeze(-1), 0.0)  # type: ignore[return-value]
+        return onehot  # type: ignore[return-value]
 
     def logprobs(self) -> torch.Tensor:
         """``[B, steps]`` logprob of each drawn token, on the scores' device.
