@@ -45,8 +45,7 @@ from rlfleet.serving.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    chat_response,
-    completion_response,
+    response,
     token_logprobs,
 )
 from rlfleet.serving.record import EpisodeRecord, Turn
@@ -225,7 +224,7 @@ class PolicyEndpoint:
         finally:
             self._release(current)
         choice = self._chat_choice(0, result, reply, request.logprobs)
-        return chat_response(self.model_name, turn.prompt_ids, [choice], len(result.token_ids))
+        return response("chat", self.model_name, turn.prompt_ids, [choice], len(result.token_ids))
 
     async def complete(self, request: CompletionRequest, episode: str | None) -> dict[str, Any]:
         request.refuse_unsupported()
@@ -237,9 +236,8 @@ class PolicyEndpoint:
             params, seeds = self._plain_params(request, len(prompt), stops)
             results = await self._sample([prompt] * len(seeds), params, seeds)
             choices = [self._completion_choice(i, r, stops, request.logprobs) for i, r in enumerate(results)]
-            return completion_response(
-                self.model_name, prompt, choices, sum(len(r.token_ids) for r in results)
-            )
+            tokens = sum(len(r.token_ids) for r in results)
+            return response("completion", self.model_name, prompt, choices, tokens)
         with self._lock:
             current = self._claim(episode, request.n)
             record = current.record
@@ -250,7 +248,7 @@ class PolicyEndpoint:
         finally:
             self._release(current)
         choice = self._completion_choice(0, result, stops, request.logprobs)
-        return completion_response(self.model_name, prompt, [choice], len(result.token_ids))
+        return response("completion", self.model_name, prompt, [choice], len(result.token_ids))
 
     # ------------------------------------------------------------------------------------------- helpers
 
@@ -346,7 +344,7 @@ class PolicyEndpoint:
         for i, result in enumerate(results):
             reply = reply_message(_strip_stops(result.text, request.stop_strings()), tools)
             choices.append(self._chat_choice(i, result, reply, request.logprobs))
-        return chat_response(self.model_name, prompt, choices, sum(len(r.token_ids) for r in results))
+        return response("chat", self.model_name, prompt, choices, sum(len(r.token_ids) for r in results))
 
     async def _sample(
         self, prompts: list[list[int]], params: SamplingParams, seeds: Sequence[int]

@@ -115,14 +115,6 @@ class CompletionRequest(_Request):
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
 def token_logprobs(pieces: Sequence[str], logprobs: Sequence[float]) -> list[dict[str, Any]]:
     """``logprobs.content`` of a chat choice: each sampled token's text, bytes and logprob."""
     return [
@@ -131,30 +123,27 @@ def token_logprobs(pieces: Sequence[str], logprobs: Sequence[float]) -> list[dic
     ]
 
 
-def chat_response(
-    model: str, prompt_ids: Sequence[int], choices: list[dict[str, Any]], completion_tokens: int
+def response(
+    kind: Literal["chat", "completion"],
+    model: str,
+    prompt_ids: Sequence[int],
+    choices: list[dict[str, Any]],
+    completion_tokens: int,
 ) -> dict[str, Any]:
+    """A chat completion's or a completion's body, with the prompt's ids beside the usage."""
+    prefix, name = ("chatcmpl", "chat.completion") if kind == "chat" else ("cmpl", "text_completion")
+    prompt_tokens = len(prompt_ids)
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": name,
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": _usage(len(prompt_ids), completion_tokens),
-        "prompt_token_ids": list(prompt_ids),
-    }
-
-
-def completion_response(
-    model: str, prompt_ids: Sequence[int], choices: list[dict[str, Any]], completion_tokens: int
-) -> dict[str, Any]:
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": _usage(len(prompt_ids), completion_tokens),
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
         "prompt_token_ids": list(prompt_ids),
     }
 
