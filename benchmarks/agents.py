@@ -78,22 +78,28 @@ def throughput(model_dir: Path, agents: int, tokens: int) -> tuple[float, float]
     params = SamplingParams(max_new_tokens=tokens)
     endpoint = PolicyEndpoint(backend, tokenizer, "policy", ServingLimits(512, tokens))
     server = ServerThread(endpoint, ServerSettings())
+    clients = [
+        openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0) for _ in range(agents)
+    ]
     try:
 
-        def ask(question: str) -> int:
-            client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
-            messages = [{"role": "user", "content": question}]
-            reply = client.chat.completions.create(
-                model="policy", messages=messages, max_tokens=tokens, seed=1
+        def ask(i: int) -> int:
+            messages = [{"role": "user", "content": questions[i]}]
+            reply = clients[i].chat.completions.create(
+                model="policy", messages=messages, max_tokens=tokens, seed=i
             )
             return reply.usage.completion_tokens if reply.usage else 0
 
-        ask(questions[0])  # warm-up
+        ask(0)  # warm-up
+        calls = endpoint.queue.calls
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(agents) as pool:
-            list(pool.map(ask, questions))
+            list(pool.map(ask, range(agents)))
         served = agents / (time.perf_counter() - start)
+        print(f"the endpoint sampled the {agents} requests in {endpoint.queue.calls - calls} engine call(s)")
     finally:
+        for client in clients:
+            client.close()
         server.close()
         endpoint.close()
     prompts = [

@@ -79,17 +79,19 @@ class AgentDriver:
 
     def run(self, episodes: Sequence[Episode], params: SamplingParams) -> tuple[int, int, dict[str, float]]:
         """Plays ``episodes`` (filling in their tokens, reward and counters); returns the number that timed
-        out, the number that failed, and the agents' metrics."""
-        keys = [self.endpoint.open_episode(e.seed, params) for e in episodes]
+        out, the number that failed, and the agents' metrics.
+
+        An episode's URL opens when its agent starts and closes as soon as it ends (finished, failed or out
+        of time), so the engine's calls wait only for the agents still playing."""
+        urls = _Urls(self.endpoint, self.server.base_url, [e.seed for e in episodes], params)
         tasks = [_task(e) for e in episodes]
-        urls = [f"{self.server.base_url}/episodes/{key}/v1" for key in keys]
         try:
             if self.environment.is_async:
                 outcomes = _in_a_loop_of_its_own(lambda: self._run_async(tasks, urls))
             else:
                 outcomes = self._run_threads(tasks, urls)
         finally:
-            records = self.endpoint.close_episodes(keys)
+            records = urls.close_all()
         for episode, record, outcome in zip(episodes, records, outcomes, strict=True):
             self._fill(episode, record, outcome)
         n = max(len(episodes), 1)
@@ -115,14 +117,14 @@ class AgentDriver:
         finally:
             client.close()
 
-    def _run_threads(self, tasks: list[dict[str, Any]], urls: list[str]) -> list[_Outcome]:
+    def _run_threads(self, tasks: list[dict[str, Any]], urls: _Urls) -> list[_Outcome]:
         played = [_Outcome() for _ in tasks]  # written by the agents' threads
         outcomes = [_Outcome(timed_out=True) for _ in tasks]  # what the run keeps
         finished = [threading.Event() for _ in tasks]
 
-        def play(i: int) -> None:
+        def play(i: int, url: str) -> None:
             try:
-                played[i].reward = self._call(tasks[i], urls[i])
+                played[i].reward = self._call(tasks[i], url)
             except BaseException as exc:  # the agent's failure costs its episode
                 played[i].error = exc
             finally:
@@ -132,29 +134,36 @@ class AgentDriver:
         while waiting or running:
             while waiting and len(running) < self.environment.max_concurrency:
                 i = waiting.pop(0)
-                threading.Thread(target=play, args=(i,), name=f"rlfleet-agent-{i}", daemon=True).start()
+                thread = threading.Thread(target=play, args=(i, urls.open(i)), name=f"rlfleet-agent-{i}")
+                thread.daemon = True  # one that never returns must not keep the process alive
+                thread.start()
                 running[i] = time.monotonic() + self.environment.timeout_s
             for i, deadline in list(running.items()):
                 if finished[i].is_set():
                     outcomes[i] = played[i]
-                    del running[i]
-                elif time.monotonic() > deadline:  # timed out: the thread is abandoned, its URL closes
-                    del running[i]
+                elif time.monotonic() <= deadline:
+                    continue
+                # done, or out of time (the thread is abandoned): its URL closes now
+                urls.close(i)
+                del running[i]
             time.sleep(_POLL_S)
         return outcomes
 
-    async def _run_async(self, tasks: list[dict[str, Any]], urls: list[str]) -> list[_Outcome]:
+    async def _run_async(self, tasks: list[dict[str, Any]], urls: _Urls) -> list[_Outcome]:
         import openai
 
         slots = asyncio.Semaphore(self.environment.max_concurrency)
 
-        async def play(task: dict[str, Any], url: str) -> _Outcome:
+        async def play(i: int) -> _Outcome:
             async with slots:
                 client = openai.AsyncOpenAI(
-                    base_url=url, api_key="rlfleet", max_retries=0, timeout=self.environment.timeout_s
+                    base_url=urls.open(i),
+                    api_key="rlfleet",
+                    max_retries=0,
+                    timeout=self.environment.timeout_s,
                 )
                 try:
-                    call = self.environment.agent_fn(task, client, self.environment.served_model_name)
+                    call = self.environment.agent_fn(tasks[i], client, self.environment.served_model_name)
                     return _Outcome(_reward(await asyncio.wait_for(call, self.environment.timeout_s)))
                 except TimeoutError:
                     return _Outcome(timed_out=True)
@@ -162,8 +171,9 @@ class AgentDriver:
                     return _Outcome(error=exc)
                 finally:
                     await client.close()
+                    await asyncio.to_thread(urls.close, i)
 
-        return list(await asyncio.gather(*(play(t, u) for t, u in zip(tasks, urls, strict=True))))
+        return list(await asyncio.gather(*(play(i) for i in range(len(tasks)))))
 
     # -------------------------------------------------------------------------------------------- records
 
@@ -203,6 +213,38 @@ class AgentDriver:
                 type(exc).__name__,
                 str(exc)[:500],
             )
+
+
+class _Urls:
+    """The episodes' URLs: each opened when its agent starts, closed (its record kept) when it ends."""
+
+    def __init__(
+        self, endpoint: PolicyEndpoint, base_url: str, seeds: list[int], params: SamplingParams
+    ) -> None:
+        self.endpoint, self.base_url, self.seeds, self.params = endpoint, base_url, seeds, params
+        self.keys: list[str | None] = [None] * len(seeds)
+        self.records: list[EpisodeRecord | None] = [None] * len(seeds)
+        self._lock = threading.Lock()
+
+    def open(self, i: int) -> str:
+        key = self.endpoint.open_episode(self.seeds[i], self.params)
+        self.keys[i] = key
+        return f"{self.base_url}/episodes/{key}/v1"
+
+    def close(self, i: int) -> None:
+        with self._lock:
+            key, self.keys[i] = self.keys[i], None
+        if key is not None:
+            (self.records[i],) = self.endpoint.close_episodes([key])
+
+    def close_all(self) -> list[EpisodeRecord]:
+        """Closes what is still open; an episode whose agent never started has an empty record."""
+        for i in range(len(self.keys)):
+            self.close(i)
+        return [
+            r if r is not None else EpisodeRecord(seed)
+            for r, seed in zip(self.records, self.seeds, strict=True)
+        ]
 
 
 def _in_a_loop_of_its_own(make: Callable[[], Coroutine[Any, Any, list[_Outcome]]]) -> list[_Outcome]:

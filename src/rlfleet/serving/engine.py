@@ -21,8 +21,9 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
@@ -62,10 +63,24 @@ class _Job:
 
 
 class BatchingQueue:
-    """One thread samples every request; requests that arrive together share a ``generate_rows`` call."""
+    """One thread samples every request; requests that arrive together share a ``generate_rows`` call.
 
-    def __init__(self, backend: GenerationBackend, max_batch: int = 256, gather_s: float = 0.005) -> None:
+    A call waits for more requests while they keep coming (``gather_s`` apart). With ``expected`` (how many
+    requests can still come: a run's agents still playing), it waits until that many are queued or
+    ``max_wait_s`` has passed since the first: agents that answer a tool result at slightly different times
+    then share one call instead of each making a small one.
+    """
+
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        max_batch: int = 256,
+        gather_s: float = 0.005,
+        expected: Callable[[], int] | None = None,
+        max_wait_s: float = 0.05,
+    ) -> None:
         self.backend, self.max_batch, self.gather_s = backend, max_batch, gather_s
+        self.expected, self.max_wait_s = expected, max_wait_s
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self.calls = 0
         self._thread = threading.Thread(target=self._loop, name="rlfleet-serving", daemon=True)
@@ -85,10 +100,16 @@ class BatchingQueue:
             first = self._jobs.get()
             if first is None:
                 return
-            batch = [first]
+            batch, deadline = [first], time.monotonic() + self.max_wait_s
             while len(batch) < self.max_batch:
+                if self.expected is None:
+                    timeout = self.gather_s
+                else:
+                    timeout = deadline - time.monotonic()
+                    if len(batch) >= self.expected() or timeout <= 0:
+                        break
                 try:
-                    job = self._jobs.get(timeout=self.gather_s)
+                    job = self._jobs.get(timeout=timeout)
                 except queue.Empty:
                     break
                 if job is None:
@@ -144,7 +165,8 @@ class PolicyEndpoint:
         self.tokenizer, self.model_name, self.limits = tokenizer, model_name, limits
         self.episodes_only = episodes_only
         self.template = ObservationTemplate(tokenizer)
-        self.queue = BatchingQueue(backend)
+        # agent episodes: a call waits (briefly) for every playing agent's request
+        self.queue = BatchingQueue(backend, expected=self.open_episodes if episodes_only else None)
         self._episodes: dict[str, _Episode] = {}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # an episode's request ended
@@ -153,6 +175,10 @@ class PolicyEndpoint:
         self.queue.close()
 
     # ------------------------------------------------------------------------------------------- episodes
+
+    def open_episodes(self) -> int:
+        """How many episodes are open (their agents still playing)."""
+        return len(self._episodes)
 
     def open_episode(self, seed: int, params: SamplingParams) -> str:
         key = secrets.token_urlsafe(12)
