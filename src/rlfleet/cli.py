@@ -335,9 +335,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_commands(sub)
     p = sub.add_parser("demo", help="the embedded default: tiny model, SFT warm start, GRPO (CPU, offline)")
     p.add_argument(
-        "--task", choices=sorted(DEMO_TASKS), default="arithmetic", help="arithmetic, or the calculator task"
+        "--task",
+        choices=sorted(DEMO_TASKS),
+        default="arithmetic",
+        help="arithmetic (tiny model), tools (the calculator task), gemma3 (Gemma 3 270M on GSM8k, "
+        "make setup-gemma3) or gemma3-arithmetic",
     )
-    p.add_argument("--out", help="where models, checkpoints and logs go (default: runs/demo, runs/tools)")
+    p.add_argument(
+        "--out", help="where models, checkpoints and logs go (default: runs/demo, runs/tools, runs/gemma3...)"
+    )
     p.add_argument("overrides", nargs="*", help="overrides for the GRPO stage (sft.* ones: the SFT stage)")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -1,4 +1,5 @@
-"""The embedded default job: build a tiny model, SFT warm start, then GRPO, all on CPU and offline.
+"""The embedded jobs: build a tiny model (or take the pretrained one the recipe names: Gemma 3 270M), SFT
+warm start, then GRPO, all on CPU and offline.
 
 Every stage is resumable: rerunning skips what is finished and continues what was interrupted.
 """
@@ -14,6 +15,7 @@ from rlfleet.algorithms.sft import sft_train
 from rlfleet.checkpoint import CheckpointManager, export_hf
 from rlfleet.config import (
     DEMO_TASKS,
+    PRETRAINED_DEMO_TASKS,
     MasterConfig,
     load_recipe,
     parse_override,
@@ -45,7 +47,7 @@ def ensure_tiny_model(out_dir: Path, cfg: MasterConfig, seed: int) -> Path:
     return create_tiny_model(out_dir, tokenizer_corpus(cfg), TinyModelSpec(), seed)
 
 
-def stage_overrides(out: Path, stage: str, model: Path) -> list[str]:
+def stage_overrides(out: Path, stage: str, model: Path | str) -> list[str]:
     return [
         f"policy.model_name={quote_override_value(str(model))}",
         f"checkpointing.checkpoint_dir={quote_override_value(str(out / stage / 'checkpoints'))}",
@@ -68,7 +70,8 @@ def run_demo(
     out: Path, overrides: Sequence[str] = (), sft_overrides: Sequence[str] = (), task: str = "arithmetic"
 ) -> dict[str, float]:
     """Runs the three stages of ``task`` (``rlfleet.config.DEMO_TASKS``) under ``out``; returns the
-    before/after validation accuracies.
+    before/after validation accuracies. A pretrained task (``PRETRAINED_DEMO_TASKS``) builds no model: its SFT
+    recipe's own model is the base.
 
     ``overrides`` go to the GRPO stage; those of the ``sft`` section (``sft.max_num_steps=...``) go to the
     SFT stage as well, after ``sft_overrides``.
@@ -76,10 +79,13 @@ def run_demo(
     out = out.resolve()
     sft_recipe, grpo_recipe, _ = DEMO_TASKS[task]
     sft_overrides = [*sft_overrides, *sft_section(overrides)]
-    sft_cfg = load_recipe(
-        resolve_recipe_path(sft_recipe), [*stage_overrides(out, "sft", out), *sft_overrides]
-    )
-    base = ensure_tiny_model(out / "base_model", sft_cfg, seed=sft_cfg.sft.seed)
+    if task in PRETRAINED_DEMO_TASKS:
+        base = load_recipe(resolve_recipe_path(sft_recipe), sft_overrides).policy.model_name
+    else:
+        cfg = load_recipe(
+            resolve_recipe_path(sft_recipe), [*stage_overrides(out, "sft", out), *sft_overrides]
+        )
+        base = str(ensure_tiny_model(out / "base_model", cfg, seed=cfg.sft.seed))
     sft_cfg = load_recipe(
         resolve_recipe_path(sft_recipe), [*stage_overrides(out, "sft", base), *sft_overrides]
     )
@@ -98,10 +104,12 @@ def run_demo(
     grpo_train(grpo_cfg)
     curve = val_accuracy_curve(Path(grpo_cfg.logger.log_dir))
     before, after = curve[0][1], curve[-1][1]
+    sft_curve = val_accuracy_curve(Path(sft_cfg.logger.log_dir))
+    start = f"{sft_curve[0][1]:.1%} before SFT -> " if sft_cfg.sft.val_at_start and sft_curve else ""
     log_dir = Path(grpo_cfg.logger.log_dir)
     print(
         "\n== done\n"
-        f"validation accuracy (greedy, {grpo_cfg.grpo.max_val_samples} held-out problems): "
+        f"validation accuracy (greedy, {grpo_cfg.grpo.max_val_samples} held-out problems): {start}"
         f"{before:.1%} after SFT -> {after:.1%} after GRPO ({(after - before) * 100:+.1f} points)\n"
         f"metrics:     {log_dir / 'metrics.jsonl'}\n"
         f"plot:        {log_dir / 'plot.png'}\n"

@@ -12,14 +12,17 @@ import torch
 import yaml
 
 from rlfleet.checkpoint import CheckpointManager, export_hf, save_policy
-from rlfleet.models.loading import GGUF_CONFIG_KEYS, load_model
+from rlfleet.models.chat import adds_bos, encode_conversation
+from rlfleet.models.gguf import GGUF_CONFIG_KEYS, RECORD, converted_checkpoint, token_flags
+from rlfleet.models.loading import PASSTHROUGH_CHAT_TEMPLATE, ModelSource, load_model, load_tokenizer
 
 GGUF_FILE = "tiny.gguf"
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 32, 64, 2, 4, 2
 
 
-def write_tiny_llama_gguf(path: Path) -> None:
-    """A float32 llama GGUF of a few kilobytes that transformers loads (random weights)."""
+def write_tiny_llama_gguf(path: Path, add_bos: bool | None = None) -> None:
+    """A float32 llama GGUF of a few kilobytes that transformers loads (random weights); ``add_bos`` is
+    recorded as ``tokenizer.ggml.add_bos_token`` (Gemma 3's file records True, SmolLM2's False)."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama")
     writer.add_context_length(64)
@@ -32,11 +35,15 @@ def write_tiny_llama_gguf(path: Path) -> None:
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(VOCAB)
     writer.add_tokenizer_model("llama")
-    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
+    pieces = ["▁", *"abcdefghijklmnopqrstuvwxyz0123456789"]
+    tokens = ["<unk>", "<s>", "</s>", *pieces, *(f"x{i}" for i in range(VOCAB - 3 - len(pieces)))]
+    writer.add_token_list(tokens)
     writer.add_token_scores([0.0] * VOCAB)
-    writer.add_token_types([1] * VOCAB)
+    writer.add_token_types([2, 3, 3, *[1] * (VOCAB - 3)])  # unknown, control (BOS, EOS), normal
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     rng = np.random.default_rng(0)
     kv_dim = KV_HEADS * HIDDEN // HEADS
     shapes = {"token_embd.weight": (VOCAB, HIDDEN), "output_norm.weight": (HIDDEN,)}
@@ -112,3 +119,59 @@ def test_a_reward_model_loads_from_gguf_with_the_causal_lms_backbone(gguf_dir: P
         assert torch.equal(backbone[name], value), name
     with pytest.raises(ValueError, match="reward_model_type='regression'"):
         load_model(str(gguf_dir), "float32", GGUF_FILE, reward_model="regression")
+
+
+# ------------------------------------------------------------------------- converted once, BOS as trained
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_the_tokenizer_adds_bos_as_the_file_records(tmp_path: Path, add_bos: bool) -> None:
+    """transformers' conversion drops ``tokenizer.ggml.add_bos_token``: Gemma 3's tokenizer then adds no
+    <bos> and the model degenerates. The converted tokenizer adds it exactly when the file says so."""
+    write_tiny_llama_gguf(tmp_path / GGUF_FILE, add_bos=add_bos)
+    assert token_flags(tmp_path / GGUF_FILE) == {"add_bos_token": add_bos}
+    tokenizer = load_tokenizer(str(tmp_path), GGUF_FILE)
+    assert adds_bos(tokenizer) is add_bos
+    assert (tokenizer("ab 12")["input_ids"][0] == tokenizer.bos_token_id) is add_bos
+
+
+def test_a_gguf_file_is_converted_once_and_again_when_it_changes(tmp_path: Path) -> None:
+    write_tiny_llama_gguf(tmp_path / GGUF_FILE, add_bos=True)
+    first = converted_checkpoint(str(tmp_path), GGUF_FILE)
+    assert json.loads((first / RECORD).read_text())["token_flags"] == {"add_bos_token": True}
+    assert_plain(json.loads((first / "config.json").read_text()))
+    stamp = (first / RECORD).stat().st_mtime_ns
+    assert converted_checkpoint(str(tmp_path), GGUF_FILE) == first
+    assert (first / RECORD).stat().st_mtime_ns == stamp  # not converted again
+    write_tiny_llama_gguf(tmp_path / GGUF_FILE, add_bos=False)  # a new version of the file
+    second = converted_checkpoint(str(tmp_path), GGUF_FILE)
+    assert second != first and json.loads((second / RECORD).read_text())["token_flags"] == {
+        "add_bos_token": False
+    }
+    with pytest.raises(FileNotFoundError, match=r"GGUF files there: \['tiny.gguf'\]"):
+        converted_checkpoint(str(tmp_path), "other.gguf")
+
+
+def test_prompts_start_with_bos_once_whatever_the_template(tmp_path: Path) -> None:
+    """Every path that encodes a whole conversation (prompts, SFT rows, judges, reward models, the endpoint)
+    goes through encode_conversation: BOS first exactly when the tokenizer starts texts with it."""
+    write_tiny_llama_gguf(tmp_path / GGUF_FILE, add_bos=True)
+    passthrough = ModelSource(str(tmp_path), gguf_file=GGUF_FILE, chat_template=None).load_tokenizer()
+    assert passthrough.chat_template == PASSTHROUGH_CHAT_TEMPLATE
+    bos = passthrough.bos_token_id
+    text = passthrough.apply_chat_template([{"role": "user", "content": "ab 12"}], tokenize=False)
+    assert not text.startswith(passthrough.bos_token)  # the template writes no BOS: it is added
+    ids = encode_conversation(passthrough, text)
+    assert ids[0] == bos and ids.count(bos) == 1
+    own = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with_bos = ModelSource(str(tmp_path), gguf_file=GGUF_FILE, chat_template=own).load_tokenizer()
+    text = with_bos.apply_chat_template([{"role": "user", "content": "ab 12"}], tokenize=False)
+    assert text.startswith(with_bos.bos_token)
+    ids = encode_conversation(with_bos, text)
+    assert ids[0] == bos and ids.count(bos) == 1  # the template's BOS, not a second one
+
+    write_tiny_llama_gguf(tmp_path / "nobos.gguf", add_bos=False)
+    plain = ModelSource(str(tmp_path), gguf_file="nobos.gguf", chat_template=None).load_tokenizer()
+    assert encode_conversation(plain, "ab 12")[0] != plain.bos_token_id
+    kept = ModelSource(str(tmp_path), gguf_file="nobos.gguf").load_tokenizer()  # "default": its own (none)
+    assert kept.chat_template is None

@@ -23,7 +23,8 @@ from transformers import (
 from rlfleet.checkpoint.dcp_io import TOKENIZER_DIR, load_model_state_dict, policy_dir
 from rlfleet.checkpoint.manager import CONFIG_FILE, is_complete_checkpoint, verify_checkpoint
 from rlfleet.config.schema import LoraConfig
-from rlfleet.models.loading import DTYPES, drop_gguf_config, resolve_model_path, reward_model_config
+from rlfleet.models.gguf import drop_gguf_config
+from rlfleet.models.loading import DTYPES, resolve_model_path, reward_model_config
 from rlfleet.models.lora import adapter_state, merge_adapters
 
 PEFT_PREFIX = "base_model.model."  # PEFT's key prefix for a causal LM's modules

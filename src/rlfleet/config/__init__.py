@@ -1,7 +1,7 @@
 """Recipe configuration: the schema, the YAML loader with ``defaults``, Hydra-style overrides, checks."""
 
 from rlfleet.config.checks import check_config, ensure_runnable, unsupported_settings
-from rlfleet.config.embedded import DEMO_COMMANDS, DEMO_TASKS
+from rlfleet.config.embedded import DEMO_COMMANDS, DEMO_TASKS, PRETRAINED_DEMO_TASKS
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.loader import (
     config_to_yaml,
@@ -22,6 +22,7 @@ __all__ = [
     "DEMO_COMMANDS",
     "DEMO_TASKS",
     "LOGGED_METRICS",
+    "PRETRAINED_DEMO_TASKS",
     "ConfigError",
     "MasterConfig",
     "Override",

@@ -14,6 +14,7 @@ TEACHER_KEYS = (
     "model_name",
     "gguf_file",
     "tokenizer.name",
+    "tokenizer.chat_template",
     "precision",
     "logprob_batch_size",
     "logprob_chunk_size",

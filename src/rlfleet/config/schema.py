@@ -350,8 +350,18 @@ class SequencePackingConfig(Strict):
     )
 
 
+DEFAULT_CHAT_TEMPLATE = "default"
+
+
 class TokenizerConfig(Strict):
     name: str | None = Field(None, description="Tokenizer id/path; defaults to policy.model_name.")
+    chat_template: str | None = Field(
+        DEFAULT_CHAT_TEMPLATE,
+        description="The chat template prompts are rendered with (NeMo RL's tokenizer.chat_template): "
+        "'default' the tokenizer's own; null a passthrough that concatenates the messages' contents; any "
+        "other string a Jinja template (a pretrained model without one: Gemma 3 270M's recipes). Prompts "
+        "start with BOS exactly when the tokenizer's own encoding does, whichever template.",
+    )
 
 
 class ArchitectureConfig(Strict):

@@ -33,7 +33,7 @@ from rlfleet.data.errors import DataError
 from rlfleet.data.prompts import response_target
 from rlfleet.data.response_dataset import MAX_BAD_ROW_SAMPLES, bad_row_error, json_type
 from rlfleet.data.sources import RawRow, read_rows
-from rlfleet.models.chat import end_at_eos
+from rlfleet.models.chat import encode_conversation, end_at_eos
 
 Messages = tuple[dict[str, str], ...]
 
@@ -309,7 +309,7 @@ def _template_ids(
         [dict(m) for m in messages], tokenize=False, add_generation_prompt=generation_prompt
     )
     assert isinstance(text, str)  # tokenize=False: the rendered text
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return encode_conversation(tokenizer, text)
 
 
 def _reply_ids(

@@ -21,6 +21,7 @@ from rlfleet.data.errors import DataError
 from rlfleet.data.types import Example, Prompt
 from rlfleet.environments.interface import Message
 from rlfleet.errors import UserError
+from rlfleet.models.chat import encode_conversation
 
 _PLACEHOLDERS = ("", "0", "question")
 
@@ -141,7 +142,7 @@ def build_prompts(
     dropped = 0
     for ex in examples:
         text = render_prompt(tokenizer, ex.question, system_prompt, prompt_template, tools)
-        ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = tuple(encode_conversation(tokenizer, text))
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
             dropped += 1
             continue

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rlfleet.config.env_models import JudgeEnvConfig, named_model_settings
 from rlfleet.environments.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
+from rlfleet.models.chat import encode_conversation
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -207,7 +208,7 @@ class LocalJudge:
         messages = [{"role": "user", "content": prompt}]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert isinstance(text, str)  # one conversation renders to one string
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return encode_conversation(self.tokenizer, text)
 
     def verdicts(self, prompts: Sequence[str]) -> list[str | None]:
         from rlfleet.generation.interface import SamplingParams  # loaded with the backend already

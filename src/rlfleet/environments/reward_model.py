@@ -31,7 +31,7 @@ import torch
 
 from rlfleet.config.env_models import RewardModelEnvConfig, named_model_settings
 from rlfleet.environments.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
-from rlfleet.models.chat import end_at_eos
+from rlfleet.models.chat import encode_conversation, end_at_eos
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -117,7 +117,7 @@ class RewardModelScorer:
         messages = [{"role": m["role"], "content": m.get("content", "")} for m in log]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False)
         assert isinstance(text, str)  # one conversation renders to one string
-        return end_at_eos(self.tokenizer, list(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+        return end_at_eos(self.tokenizer, encode_conversation(self.tokenizer, text))
 
     @torch.inference_mode()
     def score(self, logs: Sequence[MessageLog]) -> tuple[list[float], list[bool]]:

@@ -15,3 +15,26 @@ def end_at_eos(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[int]:
         if not str(tokenizer.decode(ids[last + 1 :])).strip():
             return ids[: last + 1]
     return [*ids, eos]
+
+
+def adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's own encoding starts a text with BOS: how the model was trained to see a
+    document begin (Gemma's and Llama's do; SmolLM2's and Qwen's add nothing)."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    ids = tokenizer("x")["input_ids"]
+    return bool(ids) and ids[0] == bos
+
+
+def encode_conversation(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """A whole rendered conversation (a prompt, a scored dialogue) as token ids, starting with BOS exactly
+    when the tokenizer starts a text with one: a chat template that writes ``{{ bos_token }}`` already put
+    it in ``text``; a template that does not (a passthrough or a plain one) gets it here, so a model trained
+    with BOS never sees a prompt without it, and one trained without never gets one. The text itself is
+    encoded without special tokens (the template wrote the ones it wants)."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    bos = tokenizer.bos_token_id
+    if adds_bos(tokenizer) and (not ids or ids[0] != bos):
+        ids.insert(0, bos)
+    return ids

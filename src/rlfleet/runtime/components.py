@@ -60,6 +60,7 @@ def model_source(cfg: MasterConfig) -> ModelSource:
         policy.gguf_file,
         policy.tokenizer.name,
         reward_model=rm.reward_model_type if rm.enabled else None,
+        chat_template=policy.tokenizer.chat_template,
     )
 
 

@@ -41,7 +41,11 @@ def teacher_source(cfg: MasterConfig) -> ModelSource:
     if teacher is None:
         raise ConfigError("teacher.model_name: distillation needs a teacher; fix: a teacher: block")
     return ModelSource(
-        teacher.model_name, teacher_precision(cfg).name, teacher.gguf_file, teacher.tokenizer.name
+        teacher.model_name,
+        teacher_precision(cfg).name,
+        teacher.gguf_file,
+        teacher.tokenizer.name,
+        chat_template=teacher.tokenizer.chat_template,
     )
 
 

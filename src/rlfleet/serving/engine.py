@@ -34,6 +34,7 @@ from rlfleet.data.prompts import ObservationTemplate
 from rlfleet.environments.tools import TOOL_CALL_CLOSE
 from rlfleet.generation import GenerationBackend, GenerationResult, SamplingParams
 from rlfleet.generation.sampling import row_seeds, turn_seed
+from rlfleet.models.chat import encode_conversation
 from rlfleet.serving.chat import (
     ChatMessage,
     message_json,
@@ -396,7 +397,7 @@ class PolicyEndpoint:
                 400, f"the chat template cannot render these messages: {exc}", param="messages"
             ) from None
         assert isinstance(text, str)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return encode_conversation(self.tokenizer, text)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
