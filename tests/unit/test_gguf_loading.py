@@ -175,3 +175,21 @@ def test_prompts_start_with_bos_once_whatever_the_template(tmp_path: Path) -> No
     assert encode_conversation(plain, "ab 12")[0] != plain.bos_token_id
     kept = ModelSource(str(tmp_path), gguf_file="nobos.gguf").load_tokenizer()  # "default": its own (none)
     assert kept.chat_template is None
+
+
+def test_a_gguf_file_of_a_hub_model_comes_through_the_hub_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``policy.model_name`` a hub id with ``gguf_file``: the file is fetched by huggingface_hub (its cache
+    offline), then converted like a local one."""
+    write_tiny_llama_gguf(tmp_path / GGUF_FILE, add_bos=True)
+    asked = []
+
+    def download(repo_id: str, filename: str) -> str:
+        asked.append((repo_id, filename))
+        return str(tmp_path / filename)
+
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", download)
+    converted = converted_checkpoint("someone/tiny-gguf", GGUF_FILE)
+    assert asked == [("someone/tiny-gguf", GGUF_FILE)]
+    assert converted == converted_checkpoint(str(tmp_path), GGUF_FILE)  # the same file, the same copy

@@ -85,12 +85,17 @@ def _quiet() -> Iterator[None]:
 
 
 def converted_checkpoint(directory: str, gguf_file: str) -> Path:
-    """The plain checkpoint of ``directory/gguf_file`` (converted on first use; see the module docstring).
+    """The plain checkpoint of ``directory/gguf_file`` (converted on first use; see the module docstring);
+    ``directory`` may be a Hugging Face hub id, whose file comes through the hub's cache.
 
     Raises:
         FileNotFoundError: ``gguf_file`` is not in ``directory``.
     """
     source = Path(directory) / gguf_file
+    if not Path(directory).is_dir():  # a hub id: the file from the hub (or its cache, offline)
+        from huggingface_hub import hf_hub_download
+
+        source = Path(hf_hub_download(directory, gguf_file))
     if not source.is_file():
         found = sorted(p.name for p in Path(directory).glob("*.gguf"))
         raise FileNotFoundError(
