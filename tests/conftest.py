@@ -638,3 +638,20 @@ def count_logprob_passes(trainer: Any) -> list[bool]:
 
     policy.logprobs = counted
     return calls
+
+
+def kill_and_wait(actor: Any) -> None:
+    """Kills a Ray actor and returns once calls to it fail: ``ray.kill`` is asynchronous, and a call made
+    just after it may still reach the live actor."""
+    import ray
+    import ray.exceptions
+
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the killed actor still answers")

@@ -8,7 +8,6 @@ that is then rerun, must all log the reference's metrics.
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import ray
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.distributed.ray_policy import TrainingWorkerLostError
 from rlfleet.logging import read_metrics
-from tests.conftest import small_grpo_config
+from tests.conftest import kill_and_wait, small_grpo_config
 from tests.functional.test_ray_grpo import RAY, assert_same_run, comparable
 
 pytestmark = pytest.mark.slow
@@ -32,19 +31,6 @@ FOUR_STEPS = [
 
 def trainer(model_dir: Path, run_dir: Path, *overrides: str) -> GRPO:
     return GRPO(small_grpo_config(model_dir, run_dir, *FOUR_STEPS, *RAY, *overrides))
-
-
-def kill_and_wait(actor: ray.actor.ActorHandle) -> None:
-    """Kills an actor and returns once calls to it fail (``ray.kill`` is asynchronous)."""
-    ray.kill(actor, no_restart=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.address_and_free_port.remote(), timeout=5)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.2)
-    raise AssertionError("the killed actor still answers")
 
 
 def before_step(run: GRPO, step: int, action: Callable[[], None]) -> None:

@@ -21,7 +21,7 @@ from rlfleet.algorithms.grpo import GRPO
 from rlfleet.environments.ray_runner import RayActorRunner
 from rlfleet.errors import UserError
 from rlfleet.logging import read_metrics
-from tests.conftest import save_tiny_reward_model, small_grpo_config
+from tests.conftest import kill_and_wait, save_tiny_reward_model, small_grpo_config
 from tests.functional.test_episodes import FLAKY
 from tests.functional.test_ray_grpo import RAY, assert_same_run, comparable
 
@@ -96,7 +96,7 @@ def test_the_actor_runner_costs_a_bad_item_only_and_outlives_its_actor(ray_clust
         report = runner.step(logs * 2, [{"ground_truth": "ok"}, {"ground_truth": "die"}])
         # the actor died, was started again, the step re-sent, and it died again: the step's items cost
         assert report.outcomes == [None, None] and report.num_errors == 2 and runner.num_restarts == 2
-        ray.kill(runner._actor, no_restart=True)  # killed between steps: the next step starts it again
+        kill_and_wait(runner._actor)  # killed between steps: the next step starts it again
         assert step("ok") == [1.0] and runner.num_restarts == 3
     finally:
         runner.close()

@@ -32,9 +32,16 @@ from rlfleet.deploy import jobs
 from rlfleet.distributed.ray_generation import GenerationWorkerLostError
 from rlfleet.distributed.worker_group import WorkerDiedError, WorkerTimeoutError
 from rlfleet.logging import read_metrics
-from tests.conftest import RayHead, cli_argv, cli_env, free_port, small_grpo_config, small_grpo_overrides
+from tests.conftest import (
+    RayHead,
+    cli_argv,
+    cli_env,
+    free_port,
+    kill_and_wait,
+    small_grpo_config,
+    small_grpo_overrides,
+)
 from tests.functional.test_async_grpo import ASYNC, DEDICATED
-from tests.functional.test_ray_faults import kill_and_wait
 from tests.functional.test_ray_grpo import RAY, TWO_STEPS
 
 RECIPE = "grpo-tiny-arithmetic-cpu"

@@ -19,8 +19,8 @@ pytest.importorskip("ray")
 
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.logging import read_metrics
-from tests.conftest import small_grpo_config
-from tests.functional.test_ray_faults import before_step, kill_and_wait
+from tests.conftest import kill_and_wait, small_grpo_config
+from tests.functional.test_ray_faults import before_step
 from tests.functional.test_ray_grpo import RAY, TWO_STEPS, assert_same_run, comparable
 
 pytestmark = pytest.mark.slow
