@@ -1,5 +1,6 @@
 """LoRA on the tiny model: adapters-only optimizer, reference = adapters off, merged generation weights
-(in-process HF, vLLM, FSDP2 ranks on Ray), GRPO that moves only adapters, export, exact resume."""
+(in-process HF, FSDP2 ranks on Ray; a vLLM engine's is test_vllm_backend's), GRPO that moves only adapters,
+export, exact resume."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from rlfleet.models.lora import LoRALinear, LoraSettings, LoraTargetError, Witho
 from rlfleet.policy.parallelize import is_checkpointed
 from rlfleet.policy.sharded_worker import ShardedPolicyWorker, ShardingSettings
 from rlfleet.policy.worker import PolicyWorker
-from rlfleet.runtime.components import build_backend, lora_settings
+from rlfleet.runtime.components import lora_settings
 from tests.conftest import TEST_OPTIMIZER, kill_in_step, pg_loss, small_grpo_config, worker_batch
 
 LORA = LoraSettings(dim=4, alpha=8.0)
@@ -134,29 +135,6 @@ def test_in_process_generation_uses_the_adapters_and_merged_weights_match_it(tin
     ids = torch.tensor([prompts[0]])
     with torch.no_grad():
         torch.testing.assert_close(plain(ids).logits, worker.model(ids).logits, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.slow
-def test_vllm_engine_receives_merged_weights(tiny_vllm_model_dir: Path, tmp_path: Path) -> None:
-    pytest.importorskip("vllm")
-    cfg = small_grpo_config(
-        tiny_vllm_model_dir,
-        tmp_path,
-        ENABLE,
-        "policy.generation.backend=vllm",
-        "policy.generation.vllm_cfg.enforce_eager=true",  # on CPU: a start in half the time
-    )
-    worker = _lora_worker(tiny_vllm_model_dir)
-    engine = build_backend(cfg, worker, seed=0)
-    try:
-        prompts = _prompts(worker)
-        _perturb_adapters(worker.model)
-        engine.refit()
-        assert [r.token_ids for r in engine.generate(prompts, GREEDY, seed=0)] == _generate(
-            worker.model, worker, prompts
-        )
-    finally:
-        worker.close()
 
 
 def _params(trainer: GRPO) -> dict[str, torch.Tensor]:

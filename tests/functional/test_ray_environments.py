@@ -39,15 +39,12 @@ def test_colocated_multi_turn_on_ray_matches_one_process(
     assert_same_run(comparable(tmp_path / "ray"), comparable(tmp_path / "one"))
 
 
-def test_dedicated_generation_and_async_grpo_run_multi_turn(
+def test_async_grpo_on_agent_episodes_with_dedicated_generation(
     ray_cluster: None, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    _, records = train(
-        tiny_model_dir, tmp_path / "dedicated", *SCRIPTED, *TWO_STEPS, *RAY, *IN_ACTORS, *DEDICATED
-    )
-    check_multi_turn(records)
-    # asynchronous GRPO on episodes an OpenAI-API agent plays: the endpoint in the driver samples from
-    # the dedicated engine, the next step's agents run while this step trains
+    """Asynchronous GRPO on episodes an OpenAI-API agent plays: the endpoint in the driver samples from the
+    dedicated engine, the next step's agents run while this step trains. (Scripted multi-turn episodes with a
+    dedicated engine and the environment in Ray actors are test_ray_vllm's asynchronous run.)"""
     _, records = train(
         tiny_model_dir,
         tmp_path / "async",

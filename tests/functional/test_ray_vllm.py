@@ -10,12 +10,17 @@ the rollouts are the same.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 pytest.importorskip("ray")
+
+import ray
 
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.logging import read_metrics
@@ -50,9 +55,21 @@ def dedicated(ray_cluster: None, tiny_vllm_model_dir: Path, tmp_path_factory: py
     and replaced; the replacement receives the trainer's weights and step 2 carries on."""
     run_dir = tmp_path_factory.mktemp("dedicated")
     run = trainer(tiny_vllm_model_dir, run_dir, *DEDICATED)
+    engine = run.backend.runtime.gen.actors[0]
+    (run_dir / "engine_children.json").write_text(json.dumps(ray.get(engine.__ray_call__.remote(children))))
     before_step(run, 1, lambda: kill_and_wait(run.backend.runtime.gen.actors[0]))
     run.train()
     return run_dir
+
+
+def children(_host: object) -> list[str]:
+    """The command lines of the processes this process started (read from ``/proc``)."""
+    me, found = str(os.getpid()), []
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if (proc / "stat").read_text().rsplit(") ", 1)[1].split()[1] == me:
+                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+    return found
 
 
 def test_dedicated_vllm_engine_generates_from_the_trainers_weights_and_is_replaced(dedicated: Path) -> None:
@@ -63,6 +80,8 @@ def test_dedicated_vllm_engine_generates_from_the_trainers_weights_and_is_replac
         assert record["perf/generation_workers"] == 1.0 and record["perf/training_workers"] == 1.0
         assert record["timing/refit"] > 0
     assert [r["perf/generation_restarts"] for r in records] == [0.0, 1.0]
+    # the engine core (and on a CPU its one worker) ran in the generation worker's own process
+    assert not [n for n in json.loads((dedicated / "engine_children.json").read_text()) if "VLLM" in n]
     assert records[0]["train/grad_norm"] > 0
     assert 0 < records[-1]["train/reward"] <= 1  # the reward of responses the engine sampled
 

@@ -153,6 +153,25 @@ def test_refit_loads_the_trainers_new_weights(
         load_trainer_weights(engine, worker)
 
 
+def test_a_lora_policys_adapters_reach_the_engine_merged(
+    engine: VLLMGenerationBackend, worker: PolicyWorker, prompts: list[list[int]], tiny_vllm_model_dir: Path
+) -> None:
+    """What a LoRA policy's refit sends (``engine_state``: each adapted weight ``W + s B A``, base names)
+    makes the engine generate what the adapted model does in the trainer, not what the base model does."""
+    from tests.functional.test_lora import _generate, _lora_worker, _perturb_adapters
+
+    lora = _lora_worker(tiny_vllm_model_dir)
+    try:
+        _perturb_adapters(lora.model)  # a trained adapter: B is not zero
+        base = [r.token_ids for r in engine.generate(prompts, GREEDY, seed=0)]
+        engine.load_buckets(buckets(engine_state(lora.model), torch.float32))
+        merged = [r.token_ids for r in engine.generate(prompts, GREEDY, seed=0)]
+        assert merged == _generate(lora.model, lora, prompts) != base
+    finally:
+        lora.close()
+        load_trainer_weights(engine, worker)
+
+
 def test_the_endpoint_serves_agents_from_the_vllm_engine(
     engine: VLLMGenerationBackend, worker: PolicyWorker
 ) -> None:

@@ -158,7 +158,8 @@ class RayRuntime:
         if self.gen is not None:
             self.gen.shutdown()
             self.gen = None
-        vllm = None if self.vllm is None else replace(self.vllm, shares_gpu=False)  # its GPUs to itself
+        # its GPUs to itself; the engine core in the worker's process, which hosts nothing else
+        vllm = None if self.vllm is None else replace(self.vllm, shares_gpu=False, in_process=True)
         init = {"source": self.source, "batch_size": self.generation_batch_size, "vllm": vllm}
         self.gen = RayWorkerGroup(GenerationWorker, self.gen_pgs, init, self.call_timeout_s)
         return self.gen

@@ -1,7 +1,8 @@
 """Generation with a vLLM engine beside the trainer (colocated, one process), refit after every update.
 
 The engine runs in its own process (vLLM starts it with ``spawn``: a script that builds this backend needs
-the ``if __name__ == "__main__":`` guard). It never reads the policy's checkpoint: it starts from a
+the ``if __name__ == "__main__":`` guard), or in this one (``VLLMSettings.in_process``: a dedicated
+generation worker on Ray). It never reads the policy's checkpoint: it starts from a
 directory holding the policy's config and tokenizer, and its weights come from the trainer, written as
 safetensors files of bounded size (the float32 masters cast to the engine dtype: the buckets of
 :mod:`rlfleet.generation.weights`) and loaded by the worker extension in
@@ -80,6 +81,12 @@ class VLLMSettings:
             generations. A dedicated engine has its GPUs to itself and stays awake.
         visible_devices: ``CUDA_VISIBLE_DEVICES`` of the engine's processes (a colocated tensor-parallel
             engine spans its training ranks' GPUs); None: this process's.
+        in_process: Run the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as NeMo RL's
+            generation workers do) instead of a process of its own; with one worker, the worker too. For a
+            process that hosts nothing but the engine (a dedicated generation worker): one or two process
+            starts fewer (each imports torch and vLLM again) and no engine-core process in memory. A
+            colocated engine keeps its own processes: in a training rank's process vLLM's CPU worker would
+            take over the trainer's threads.
     """
 
     precision: str
@@ -92,6 +99,7 @@ class VLLMSettings:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     shares_gpu: bool = True
     visible_devices: str | None = None
+    in_process: bool = False
 
 
 def cpu_scheduling(max_model_len: int) -> dict[str, Any]:
@@ -252,13 +260,17 @@ class VLLMGenerationBackend:
             **s.engine_kwargs,
         }
         start = time.perf_counter()
-        with _environment("CUDA_VISIBLE_DEVICES", s.visible_devices):  # inherited by the engine's processes
+        with (
+            _environment("CUDA_VISIBLE_DEVICES", s.visible_devices),  # inherited by the engine's processes
+            _environment("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if s.in_process else None),
+        ):
             llm = LLM(**kwargs)
         log.info(
-            "vLLM engine started in %.1f s (%s, max_model_len %d)",
+            "vLLM engine started in %.1f s (%s, max_model_len %d%s)",
             time.perf_counter() - start,
             s.precision,
             s.max_model_len,
+            ", in this process" if s.in_process else "",
         )
         return llm
 
