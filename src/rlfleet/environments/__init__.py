@@ -10,6 +10,8 @@ completion passes in the sandbox (``code``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from rlfleet.environments.builtin import CodeEnvironment, MathEnvironment, ToolEnvironment
 from rlfleet.environments.code import (
     CodeProblem,
@@ -20,8 +22,6 @@ from rlfleet.environments.code import (
     score_completion,
 )
 from rlfleet.environments.interface import EnvironmentInterface, EnvironmentReturn, StepOutcome
-from rlfleet.environments.judge import JudgeEnvironment
-from rlfleet.environments.reward_model import RewardModelEnvironment
 from rlfleet.environments.runner import EnvironmentLoadError, build_environment, environment_class
 from rlfleet.environments.sandbox import Isolation, SandboxError, SandboxLimits, SandboxResult, run_python
 from rlfleet.environments.tools import (
@@ -71,3 +71,22 @@ __all__ = [
     "score_completion",
     "tool_schemas",
 ]
+
+if TYPE_CHECKING:
+    from rlfleet.environments.judge import JudgeEnvironment
+    from rlfleet.environments.reward_model import RewardModelEnvironment
+
+_LAZY = {
+    "JudgeEnvironment": "rlfleet.environments.judge",
+    "RewardModelEnvironment": "rlfleet.environments.reward_model",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The environments that score with a model, imported when first named: they import transformers, which
+    a worker that steps ``math`` or ``tools`` never needs."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

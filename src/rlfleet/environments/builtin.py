@@ -17,11 +17,8 @@ import torch
 
 from rlfleet.answers import extract_answer
 from rlfleet.config.schema import BUILTIN_ENVIRONMENTS
-from rlfleet.environments.agent import AgentEnvironment
 from rlfleet.environments.code import CodeProblem, run_tests
 from rlfleet.environments.interface import EnvironmentInterface, EnvironmentReturn, MessageLog
-from rlfleet.environments.judge import JudgeEnvironment
-from rlfleet.environments.reward_model import RewardModelEnvironment
 from rlfleet.environments.sandbox import SandboxLimits
 from rlfleet.environments.tools import (
     TOOL_CALL_CLOSE,
@@ -283,14 +280,16 @@ class ReasoningGymEnvironment(EnvironmentInterface[dict[str, Any]]):
         )
 
 
-BUILTIN: dict[str, type[EnvironmentInterface[Any]]] = {
-    "math": MathEnvironment,
-    "tools": ToolEnvironment,
-    "code": CodeEnvironment,
-    "reward_model": RewardModelEnvironment,
-    "judge": JudgeEnvironment,
-    "agent": AgentEnvironment,
-    "reasoning_gym": ReasoningGymEnvironment,
+BUILTIN: dict[str, str] = {
+    "math": "rlfleet.environments.builtin:MathEnvironment",
+    "tools": "rlfleet.environments.builtin:ToolEnvironment",
+    "code": "rlfleet.environments.builtin:CodeEnvironment",
+    "reward_model": "rlfleet.environments.reward_model:RewardModelEnvironment",
+    "judge": "rlfleet.environments.judge:JudgeEnvironment",
+    "agent": "rlfleet.environments.agent:AgentEnvironment",
+    "reasoning_gym": "rlfleet.environments.builtin:ReasoningGymEnvironment",
 }
-"""The environments a recipe may name without an import path (``env.<name>`` with these names)."""
+"""The environments a recipe may name without an import path (``env.<name>`` with these names), each by the
+import path of its class: a worker process that steps ``math`` never imports the model-scoring environments
+(transformers, the serving stack)."""
 assert tuple(BUILTIN) == BUILTIN_ENVIRONMENTS, "BUILTIN follows rlfleet.config.schema.BUILTIN_ENVIRONMENTS"

@@ -49,8 +49,7 @@ def environment_class(path: str) -> type[EnvironmentInterface[Any]]:
     Raises:
         EnvironmentLoadError: It cannot be imported or is not an :class:`EnvironmentInterface` subclass.
     """
-    if path in BUILTIN:
-        return BUILTIN[path]
+    path = BUILTIN.get(path, path)
     module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
     if not module_name or not attr:
         raise EnvironmentLoadError(f"environment {path!r} is not an import path like 'my_pkg.envs:MyEnv'")
