@@ -62,11 +62,11 @@ def assert_same_as(reference: Path, run: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("delay", [0.4, 1.2], ids=["early-in-step", "late-in-step"])
-def test_sigkill_then_rerun_matches_uninterrupted(
-    reference: Path, tiny_model_dir: Path, tmp_path: Path, delay
+def test_sigkill_in_a_step_then_rerun_matches_uninterrupted(
+    reference: Path, tiny_model_dir: Path, tmp_path: Path
 ):
-    run_and_kill(tiny_model_dir, tmp_path, tmp_path / "ckpt" / "step_2" / "training_info.json", delay)
+    """Killed 0.8 s into step 3 (generating or training: the step is lost, never half-saved)."""
+    run_and_kill(tiny_model_dir, tmp_path, tmp_path / "ckpt" / "step_2" / "training_info.json", 0.8)
     result = run_to_end(tiny_model_dir, tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "resumed from" in result.stderr
