@@ -203,8 +203,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="rlfleet-algorithms-")).resolve()
     model = choose_start(args.model, out, args.quick)
     steps = args.steps

@@ -73,8 +73,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     out: Path = args.out.resolve()
     # quick: each SFT 2 steps, validated once at its end; GRPO 2 steps of 2 x 4 episodes, validated at its
     # start and end

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,19 +21,16 @@ def test_arguments_choose_rows_steps_and_overrides() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_quick_table_runs_each_requested_row(tiny_model_dir: Path, tmp_path: Path) -> None:
-    command = [
-        sys.executable, str(SCRIPT), "--quick", "--steps", "1", "--model", str(tiny_model_dir),
+def test_quick_table_runs_each_requested_row(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.algorithms import main
+
+    main([
+        "--quick", "--steps", "1", "--model", str(tiny_model_dir),
         "--out", str(tmp_path), "--variants", "DAPO", "GRPO+LoRA",
-    ]  # fmt: skip
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(SCRIPT.parents[1] / "src"), os.environ.get("PYTHONPATH")])
-        ),
-    }
-    done = subprocess.run(command, capture_output=True, text=True, timeout=230, check=False, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")}
+    ])  # fmt: skip
+    stdout = capsys.readouterr().out
+    rows = {line.split("|")[1].strip() for line in stdout.splitlines() if line.startswith("| ")}
     assert {"DAPO", "GRPO+LoRA"} <= rows
-    assert "steps filled" in done.stdout  # the DAPO row says how dynamic sampling went
+    assert "steps filled" in stdout  # the DAPO row says how dynamic sampling went

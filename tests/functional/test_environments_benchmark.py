@@ -3,9 +3,6 @@ arguments."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,18 +26,13 @@ def test_arguments_name_the_output_folder_and_the_grpo_overrides() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_quick_environment_benchmark_prints_its_three_rows(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(SCRIPT.parents[1] / "src"), os.environ.get("PYTHONPATH")])
-        ),
-    }
-    command = [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)]
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=390, check=False, env=env, cwd=SCRIPT.parents[1]
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split("  ")[0] for line in done.stdout.splitlines()]
+def test_quick_environment_benchmark_prints_its_three_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.environments import main
+
+    main(["--quick", "--out", str(tmp_path)])
+    stdout = capsys.readouterr().out
+    rows = [line.split("  ")[0] for line in stdout.splitlines()]
     assert {"no tool, SFT", "tool, SFT", "tool, SFT + GRPO"} <= {r.strip() for r in rows}
-    assert "GRPO validation curve" in done.stdout
+    assert "GRPO validation curve" in stdout
