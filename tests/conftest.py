@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import secrets
@@ -35,8 +36,15 @@ os.environ["RLFLEET_MEMORY_CHECK"] = "off"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Models rlfleet assembles or converts (chunked packages, GGUF files: rlfleet.models.packages / .gguf) go to a
-# cache of the suite's own, not the user's ~/.cache/rlfleet; subprocesses inherit it.
-os.environ.setdefault("RLFLEET_CACHE_DIR", tempfile.mkdtemp(prefix="rlfleet-cache-"))
+# cache of the suite's own, not the user's ~/.cache/rlfleet, and vLLM's IPC sockets (which a killed engine
+# leaves behind) to a folder of the suite's own, not /tmp. Subprocesses and pytest-xdist workers inherit both;
+# the process that made the folder removes it when it exits (a converted SmolLM2 is half a gigabyte).
+if "RLFLEET_CACHE_DIR" not in os.environ:
+    _SUITE_TMP = Path(tempfile.mkdtemp(prefix="rlfleet-suite-"))
+    atexit.register(shutil.rmtree, _SUITE_TMP, ignore_errors=True)
+    os.environ["RLFLEET_CACHE_DIR"] = str(_SUITE_TMP / "cache")
+    (_SUITE_TMP / "vllm-ipc").mkdir()
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", str(_SUITE_TMP / "vllm-ipc"))
 # `make test` runs the suite in two pytest-xdist workers (one file per worker at a time): each worker keeps to
 # one thread, and so do the processes it starts (CLI runs, Ray's workers), so two tests share two cores
 # instead of four threads fighting over them. Run alone, a test process keeps two threads.
