@@ -31,6 +31,7 @@ from rlfleet.config import (
     resolve_recipe_path,
     unsupported_settings,
 )
+from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.layout import resource_layout
 from rlfleet.deploy.cli import add_deploy_commands
@@ -75,6 +76,10 @@ def quiet_console(args: argparse.Namespace, log_dir: str | Path) -> AbstractCont
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args.recipe, args.overrides)
+    if uses_ray(cfg):  # a wrong RAY_ADDRESS fails here, before the data, the model and torch load
+        from rlfleet.distributed.cluster import check_ray_address
+
+        check_ray_address(cfg.cluster.placement_timeout_s)
     with quiet_console(args, cfg.logger.log_dir):
         if args.command == "grpo":
             from rlfleet.algorithms.grpo import grpo_train

@@ -83,6 +83,19 @@ def _check_reachable(address: str, timeout_s: float) -> None:
         )
 
 
+def check_ray_address(timeout_s: float, address: str | None = None) -> None:
+    """Fails fast when ``address`` (default: ``RAY_ADDRESS``) names no Ray cluster that answers; nothing
+    when neither is set (a local cluster will be started). The command line calls it before it loads any
+    data or model, so a wrong address costs a second, not a model load.
+
+    Raises:
+        ClusterConnectionError: A dashboard URL, a port that refuses connections, or one that is no GCS.
+    """
+    target = address or os.environ.get(RAY_ADDRESS_ENV) or None
+    if target is not None:
+        _check_reachable(target, timeout_s)
+
+
 def connect_or_start(address: str | None, num_cpus: int | None, timeout_s: float) -> bool:
     """Connects to an existing Ray cluster, or starts a local one.
 
