@@ -3,6 +3,7 @@ again, and end with the weights and metrics of an uninterrupted run (what a Kube
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.checkpoint import load_model_state_dict
+from rlfleet.checkpoint import CheckpointManager, load_model_state_dict
+from rlfleet.config import ConfigError, MasterConfig, load_recipe, resolve_recipe_path
 from rlfleet.logging import read_metrics
+from rlfleet.runtime.loop import finished_run, run_metrics
 from tests.conftest import comparable_metrics, run_cli_process, signal_when, small_grpo_overrides
 
 DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"
@@ -103,3 +106,30 @@ def test_rerunning_a_complete_run_exits_zero_without_training(reference: Path, t
     assert "already complete" in result.stderr
     assert comparable(reference) == before
     assert (reference / "ckpt" / "step_4" / "training_info.json").stat().st_mtime == mtime
+
+
+def test_a_run_finished_at_its_step_limit_is_recognised_before_anything_starts(
+    reference: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``finished_run``, what ``rlfleet grpo`` asks before it loads anything (the reference ended at step 4)."""
+
+    def config(run: Path, *extra: str) -> MasterConfig:
+        overrides = [*small_grpo_overrides(tiny_model_dir, run), *EXTRA, *extra]
+        return load_recipe(resolve_recipe_path("grpo-tiny-arithmetic-cpu"), overrides)
+
+    info = CheckpointManager.load_training_info(reference / "ckpt" / "step_4")
+    done = finished_run(config(reference, "grpo.max_num_steps=4"), "grpo", 4)
+    assert (
+        done == run_metrics(info) and done["train/loss"] == read_metrics(reference / "logs")[-1]["train/loss"]
+    )
+    # its epoch limit ended it, not max_num_steps (100): only the started run can tell, so no answer here
+    assert finished_run(config(reference), "grpo", 100) is None
+    # killed after its last checkpoint, before that step's log line: the started run restores the line
+    killed = tmp_path / "killed"
+    shutil.copytree(reference, killed)
+    log = killed / "logs" / "metrics.jsonl"
+    log.write_text("".join(log.read_text().splitlines(keepends=True)[:-1]))
+    assert finished_run(config(killed, "grpo.max_num_steps=4"), "grpo", 4) is None
+    # a recipe the checks refuse is refused, finished or not
+    with pytest.raises(ConfigError):
+        finished_run(config(reference, "grpo.max_num_steps=4", "policy.train_micro_batch_size=3"), "grpo", 4)

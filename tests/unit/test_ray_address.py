@@ -27,7 +27,8 @@ def test_a_dashboard_url_is_refused_with_what_training_connects_to() -> None:
 def test_a_closed_port_from_ray_address_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     address = f"127.0.0.1:{free_port()}"
     monkeypatch.setenv("RAY_ADDRESS", address)
-    with pytest.raises(ClusterConnectionError, match=rf"cannot reach the Ray cluster at '{address}'.*RAY_ADDRESS"):
+    expected = rf"cannot reach the Ray cluster at '{address}'.*RAY_ADDRESS"
+    with pytest.raises(ClusterConnectionError, match=expected):
         check_ray_address(2.0)
 
 
@@ -49,7 +50,8 @@ def test_the_command_line_refuses_the_address_before_it_loads_torch() -> None:
     code = (
         "import sys\n"
         "from rlfleet.cli import main\n"
-        "rc = main(['grpo', 'grpo-tiny-arithmetic-cpu', 'cluster.use_ray=true', 'cluster.placement_timeout_s=2'])\n"
+        "rc = main(['grpo', 'grpo-tiny-arithmetic-cpu', 'cluster.use_ray=true',\n"
+        "           'cluster.placement_timeout_s=2'])\n"
         "print(rc, 'torch' in sys.modules, 'rlfleet.algorithms.grpo' in sys.modules)\n"
     )
     env = {"PATH": "/usr/bin:/bin", "RAY_ADDRESS": f"127.0.0.1:{free_port()}", "PYTHONPATH": str(ROOT)}

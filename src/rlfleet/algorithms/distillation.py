@@ -29,7 +29,7 @@ from rlfleet.rollouts.collect import GroupCollector
 from rlfleet.rollouts.evaluate import evaluate
 from rlfleet.rollouts.rollout import Rollout, accuracy, mean_response_length
 from rlfleet.runtime.components import micro_batching
-from rlfleet.runtime.loop import RunContext, closing_run, run_loop, start_run, step_seed
+from rlfleet.runtime.loop import RunContext, closing_run, finished_run, run_loop, start_run, step_seed
 from rlfleet.runtime.teacher import TeacherHandle, preflight_teacher, start_teacher
 from rlfleet.utils.timing import PhaseTimer
 
@@ -160,4 +160,5 @@ class Distillation:
 
 def distillation_train(cfg: MasterConfig) -> dict[str, float]:
     """Runs (or resumes) on-policy distillation as configured; returns the last step's metrics."""
-    return Distillation(cfg).train()
+    done = finished_run(cfg, "distillation", cfg.distillation.max_num_steps)  # a finished run starts nothing
+    return done if done is not None else Distillation(cfg).train()

@@ -40,7 +40,7 @@ from rlfleet.rollouts.pairs import (
 )
 from rlfleet.rollouts.rollout import Rollout, accuracy
 from rlfleet.runtime.components import micro_batching
-from rlfleet.runtime.loop import RunContext, closing_run, run_loop, start_run, step_seed
+from rlfleet.runtime.loop import RunContext, closing_run, finished_run, run_loop, start_run, step_seed
 from rlfleet.utils.timing import PhaseTimer
 
 
@@ -193,4 +193,5 @@ class DPO:
 
 def dpo_train(cfg: MasterConfig) -> dict[str, float]:
     """Runs (or resumes) DPO as configured; returns the last step's metrics."""
-    return DPO(cfg).train()
+    done = finished_run(cfg, "dpo", cfg.dpo.max_num_steps)  # a finished run starts nothing
+    return done if done is not None else DPO(cfg).train()

@@ -58,7 +58,7 @@ from rlfleet.rollouts.evaluate import evaluate
 from rlfleet.rollouts.prefetch import RolloutPrefetcher
 from rlfleet.rollouts.rollout import Rollout, accuracy, mean_response_length
 from rlfleet.runtime.components import flop_meter, micro_batching
-from rlfleet.runtime.loop import RunContext, closing_run, run_loop, start_run, step_seed
+from rlfleet.runtime.loop import RunContext, closing_run, finished_run, run_loop, start_run, step_seed
 from rlfleet.utils.timing import PhaseTimer
 
 
@@ -401,7 +401,8 @@ def trainer_memory_metrics() -> dict[str, float]:
 
 def grpo_train(cfg: MasterConfig) -> dict[str, float]:
     """Runs (or resumes) GRPO as configured; returns the last step's metrics."""
-    return GRPO(cfg).train()
+    done = finished_run(cfg, "grpo", cfg.grpo.max_num_steps)  # a finished run starts nothing
+    return done if done is not None else GRPO(cfg).train()
 
 
 def loss_fn_from_config(cfg: MasterConfig) -> ClippedPGLossFn:

@@ -29,7 +29,7 @@ from rlfleet.memory.planner import ensure_fits, resolve_batching
 from rlfleet.policy.loss_functions import PreferenceLossFn
 from rlfleet.rollouts.pairs import PairSource, pair_batch, pair_validation
 from rlfleet.runtime.components import micro_batching
-from rlfleet.runtime.loop import RunContext, closing_run, run_loop, start_run
+from rlfleet.runtime.loop import RunContext, closing_run, finished_run, run_loop, start_run
 from rlfleet.utils.timing import PhaseTimer
 
 
@@ -123,4 +123,5 @@ class RM:
 
 def rm_train(cfg: MasterConfig) -> dict[str, float]:
     """Runs (or resumes) reward-model training as configured; returns the last step's metrics."""
-    return RM(cfg).train()
+    done = finished_run(cfg, "rm", step_limit(cfg.rm.max_num_steps))  # a finished run starts nothing
+    return done if done is not None else RM(cfg).train()

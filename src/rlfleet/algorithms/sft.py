@@ -21,7 +21,7 @@ from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import NLLLossFn
 from rlfleet.rollouts.evaluate import evaluate
 from rlfleet.runtime.components import micro_batching
-from rlfleet.runtime.loop import RunContext, run_loop, start_run, step_seed
+from rlfleet.runtime.loop import RunContext, finished_run, run_loop, start_run, step_seed
 from rlfleet.utils.timing import PhaseTimer
 
 
@@ -99,4 +99,5 @@ class SFT:
 
 def sft_train(cfg: MasterConfig) -> dict[str, float]:
     """Runs (or resumes) SFT as configured; returns the last step's metrics."""
-    return SFT(cfg).train()
+    done = finished_run(cfg, "sft", cfg.sft.max_num_steps)  # a finished run starts nothing
+    return done if done is not None else SFT(cfg).train()

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.checkpoint import CheckpointManager
-from rlfleet.config import MasterConfig, config_to_yaml
+from rlfleet.config import MasterConfig, check_config, config_to_yaml
 from rlfleet.config.capabilities import uses_ray
+from rlfleet.config.checks import Algorithm
 from rlfleet.config.layout import ResourceLayout
 from rlfleet.data import ResumableLoader, load_task, resolve_system_prompt
 from rlfleet.generation import GenerationBackend
@@ -177,7 +178,7 @@ def resume(ctx: RunContext) -> None:
     ctx.loader.load_state_dict(ctx.checkpoints.load_dataloader_state(path))
     ctx.checkpoints.restore_rng(path)
     ctx.step = int(info["step"])
-    ctx.last_metrics = {k: v for k, v in info.items() if "/" in k and not k.startswith(MACHINE_METRICS)}
+    ctx.last_metrics = run_metrics(info)
     ctx.logger.truncate_after(ctx.step)
     if ctx.step not in {r["step"] for r in read_metrics(ctx.logger.log_dir)} and info.get(STEP_RECORD):
         ctx.logger.log(ctx.step, info[STEP_RECORD])  # killed after the checkpoint, before the log line
@@ -198,6 +199,40 @@ def save_checkpoint(
         dataloader_state=loader_state,
         write_policy=ctx.policy.save,
     )
+
+
+COMPLETE = "%s: already complete at step %d/%d; nothing to do"
+
+
+def finished_run(cfg: MasterConfig, name: Algorithm, max_num_steps: int) -> dict[str, float] | None:
+    """The last metrics of a run with nothing left to do, found before anything starts (no data, model,
+    environment or Ray actor): the recipe passes its checks, the newest checkpoint is at ``max_num_steps`` or
+    beyond, and the log ends with that step's line. None otherwise: the run starts and resumes as usual (it
+    also recognises a run the epoch limit ended, and first restores a log line a kill lost).
+
+    A finished job that is submitted again (a rerun of ``make train``, a Kubernetes job restarted after it
+    ended) so exits at once instead of loading its model first.
+    """
+    check_config(cfg, name)  # a bad recipe is refused even when nothing is left to do
+    ckpt = cfg.checkpointing
+    if not ckpt.enabled or not Path(ckpt.checkpoint_dir).is_dir():
+        return None
+    manager = CheckpointManager(Path(ckpt.checkpoint_dir), ckpt.metric_name, ckpt.higher_is_better)
+    path = manager.latest()
+    if path is None:
+        return None
+    info = manager.load_training_info(path)
+    step = int(info["step"])
+    logged = [r["step"] for r in read_metrics(cfg.logger.log_dir)]
+    if step < max_num_steps or not logged or max(logged) != step:
+        return None
+    log.info(COMPLETE, name, step, max_num_steps)
+    return run_metrics(info)
+
+
+def run_metrics(info: dict[str, Any]) -> dict[str, float]:
+    """The latest value of each metric a checkpoint's training info records, less the machine's."""
+    return {k: v for k, v in info.items() if "/" in k and not k.startswith(MACHINE_METRICS)}
 
 
 def should_checkpoint(ctx: RunContext) -> bool:
@@ -229,7 +264,7 @@ def run_loop(
     checkpoint_loader_state = loader_state or ctx.loader.state_dict
     with closing_run(ctx):
         if ctx.step >= ctx.total_steps:
-            log.info("%s: already complete at step %d/%d; nothing to do", name, ctx.step, ctx.total_steps)
+            log.info(COMPLETE, name, ctx.step, ctx.total_steps)
             return ctx.last_metrics
         progress = Progress(ctx.total_steps, ctx.step, name, ctx.cfg.logger.progress_bar)
         if ctx.step == 0 and val_at_start:
