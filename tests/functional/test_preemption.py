@@ -111,7 +111,7 @@ def test_rerunning_a_complete_run_exits_zero_without_training(reference: Path, t
 def test_a_run_finished_at_its_step_limit_is_recognised_before_anything_starts(
     reference: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """``finished_run``, what ``rlfleet grpo`` asks before it loads anything (the reference ended at step 4)."""
+    """``finished_run``: what ``rlfleet grpo`` asks before it loads anything (the reference ends at 4)."""
 
     def config(run: Path, *extra: str) -> MasterConfig:
         overrides = [*small_grpo_overrides(tiny_model_dir, run), *EXTRA, *extra]
