@@ -21,7 +21,7 @@ from rlfleet.config.checks import Algorithm
 from rlfleet.config.layout import ResourceLayout
 from rlfleet.data import ResumableLoader, load_task, resolve_system_prompt
 from rlfleet.generation import GenerationBackend
-from rlfleet.logging import MetricsLogger, Progress, format_step_line, plot_run, read_metrics
+from rlfleet.logging import MetricsLogger, Progress, format_step_line, read_metrics
 from rlfleet.policy.interface import Policy
 from rlfleet.rollouts.environments import (
     build_episode_runner,
@@ -286,6 +286,8 @@ def run_loop(
             ctx.logger.log(ctx.step, metrics)
             progress.step_done(ctx.step, metrics, validated)
         progress.close()
+        from rlfleet.logging.plot import plot_run  # matplotlib: loaded once a run ends, not on import
+
         plot_run(ctx.logger.log_dir)
         return metrics
 
