@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from rlfleet.checkpoint import CheckpointManager, export_hf, save_policy
-from rlfleet.models.chat import adds_bos, encode_conversation
+from rlfleet.models.chat import adds_bos, encode_conversation, encode_conversations
 from rlfleet.models.gguf import GGUF_CONFIG_KEYS, RECORD, converted_checkpoint, token_flags
 from rlfleet.models.loading import PASSTHROUGH_CHAT_TEMPLATE, ModelSource, load_model, load_tokenizer
 
@@ -169,10 +169,15 @@ def test_prompts_start_with_bos_once_whatever_the_template(tmp_path: Path) -> No
     assert text.startswith(with_bos.bos_token)
     ids = encode_conversation(with_bos, text)
     assert ids[0] == bos and ids.count(bos) == 1  # the template's BOS, not a second one
+    # a dataset's prompts in one tokenizer call: each as encode_conversation alone gives it
+    texts = [text, text.removeprefix(with_bos.bos_token), "", "12 ab 34"]
+    assert encode_conversations(with_bos, texts) == [encode_conversation(with_bos, t) for t in texts]
+    assert all(ids[0] == bos and ids.count(bos) == 1 for ids in encode_conversations(with_bos, texts))
 
     write_tiny_llama_gguf(tmp_path / "nobos.gguf", add_bos=False)
     plain = ModelSource(str(tmp_path), gguf_file="nobos.gguf", chat_template=None).load_tokenizer()
     assert encode_conversation(plain, "ab 12")[0] != plain.bos_token_id
+    assert encode_conversations(plain, ["ab 12", ""]) == [encode_conversation(plain, "ab 12"), []]
     kept = ModelSource(str(tmp_path), gguf_file="nobos.gguf").load_tokenizer()  # "default": its own (none)
     assert kept.chat_template is None
 

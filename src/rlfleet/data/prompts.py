@@ -21,7 +21,7 @@ from rlfleet.data.errors import DataError
 from rlfleet.data.types import Example, Prompt
 from rlfleet.environments.interface import Message
 from rlfleet.errors import UserError
-from rlfleet.models.chat import encode_conversation
+from rlfleet.models.chat import encode_conversations
 
 _PLACEHOLDERS = ("", "0", "question")
 
@@ -138,15 +138,14 @@ def build_prompts(
     """
     if prompt_template is not None:
         check_prompt_template(prompt_template)
+    texts = [render_prompt(tokenizer, ex.question, system_prompt, prompt_template, tools) for ex in examples]
     prompts: list[Prompt] = []
     dropped = 0
-    for ex in examples:
-        text = render_prompt(tokenizer, ex.question, system_prompt, prompt_template, tools)
-        ids = tuple(encode_conversation(tokenizer, text))
+    for ex, text, ids in zip(examples, texts, encode_conversations(tokenizer, texts), strict=True):
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
             dropped += 1
             continue
-        prompts.append(Prompt(example=ex, text=text, token_ids=ids))
+        prompts.append(Prompt(example=ex, text=text, token_ids=tuple(ids)))
     return prompts, dropped
 
 

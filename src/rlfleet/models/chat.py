@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from transformers import PreTrainedTokenizerBase
 
 
@@ -33,8 +35,13 @@ def encode_conversation(tokenizer: PreTrainedTokenizerBase, text: str) -> list[i
     it in ``text``; a template that does not (a passthrough or a plain one) gets it here, so a model trained
     with BOS never sees a prompt without it, and one trained without never gets one. The text itself is
     encoded without special tokens (the template wrote the ones it wants)."""
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    bos = tokenizer.bos_token_id
-    if adds_bos(tokenizer) and (not ids or ids[0] != bos):
-        ids.insert(0, bos)
-    return ids
+    return encode_conversations(tokenizer, [text])[0]
+
+
+def encode_conversations(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
+    """:func:`encode_conversation` of each text, in one call to the tokenizer (a dataset's prompts)."""
+    if not texts:
+        return []
+    batch = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id if adds_bos(tokenizer) else None
+    return [[bos, *ids] if bos is not None and (not ids or ids[0] != bos) else list(ids) for ids in batch]
