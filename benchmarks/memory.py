@@ -19,6 +19,7 @@ memory after each step (``memory/trainer_rss_gib`` and ``memory/trainer_peak_rss
 
     python benchmarks/memory.py                          # the grid (about 20 minutes on 2 cores)
     python benchmarks/memory.py --tokens 1024 4096 --modes plain ckpt+chunk
+    python benchmarks/memory.py --recipe sft-gemma3-270m-gsm8k-cpu --precision float32 --tokens 4096
     python benchmarks/memory.py --steps 20               # resident memory per step of a real run
     python benchmarks/memory.py --growth 25              # per training pass, exact against gridded widths
 """
@@ -52,26 +53,29 @@ def overrides(mode: str, pass_: str, tokens: int, precision: str) -> list[str]:
     ]
 
 
-def estimate(mode: str, pass_: str, tokens: int, precision: str, allocator: str) -> dict[str, float]:
+def estimate(
+    mode: str, pass_: str, tokens: int, precision: str, allocator: str, recipe: str = RECIPE
+) -> dict[str, float]:
     from rlfleet.config import load_recipe, resolve_recipe_path
     from rlfleet.config.layout import resource_layout
     from rlfleet.memory.planner import count_parameters, memory_plan
 
-    cfg = load_recipe(resolve_recipe_path(RECIPE), overrides(mode, pass_, tokens, precision))
+    cfg = load_recipe(resolve_recipe_path(recipe), overrides(mode, pass_, tokens, precision))
     assert cfg.policy.architecture is not None
     n = count_parameters(cfg.policy.architecture)
     plan = memory_plan(cfg, resource_layout(cfg), n, n, allocator=allocator)
     return plan.passes[pass_] | {"_available": float(plan.available or 0)}
 
 
-def _worker(mode: str, precision: str):
-    """SmolLM2 in a policy worker and the GRPO loss, as the SmolLM2 recipes train it (KL 0)."""
+def _worker(mode: str, precision: str, recipe: str = RECIPE):
+    """The recipe's model (SmolLM2 by default) in a policy worker and the GRPO loss, as the SmolLM2 recipes
+    train it (KL 0)."""
     from rlfleet.config import load_recipe, resolve_recipe_path
     from rlfleet.models.loading import ModelSource
     from rlfleet.policy.loss_functions import ClippedPGLossFn
     from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
 
-    cfg = load_recipe(resolve_recipe_path(RECIPE), overrides(mode, "train", 256, "bfloat16"))
+    cfg = load_recipe(resolve_recipe_path(recipe), overrides(mode, "train", 256, "bfloat16"))
     settings = OptimizerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, max_grad_norm=1.0)
     source = ModelSource(cfg.policy.model_name, precision, cfg.policy.gguf_file)
     worker = PolicyWorker(source, settings, keep_reference=False, activation_checkpointing=MODES[mode][0])
@@ -104,7 +108,7 @@ def child(spec: dict) -> dict:
     from rlfleet.memory.probes import release_free_memory, take_peak_resident_bytes
     from rlfleet.policy.microbatch import MicroBatching
 
-    worker, loss = _worker(spec["mode"], spec["precision"])
+    worker, loss = _worker(spec["mode"], spec["precision"], spec.get("recipe", RECIPE))
     chunk = MODES[spec["mode"]][1]
     gen = torch.Generator().manual_seed(0)
 
@@ -190,7 +194,7 @@ def measure(spec: dict, allocator: str) -> dict:
 
 def grid(args: argparse.Namespace) -> None:
     gib = 2**30
-    print(f"SmolLM2-135M-Instruct, {args.precision} compute, packed rows of {sum(ROW)} tokens,")
+    print(f"{args.recipe}'s model, {args.precision} compute, packed rows of {sum(ROW)} tokens,")
     print(f"{args.allocator} malloc; peak resident memory in a fresh process against rlfleet plan's estimate")
     print("| pass | tokens | mode | estimated GiB | measured GiB | estimate / measured | s per 1k tokens |")
     print("|---|---|---|---|---|---|---|")
@@ -198,7 +202,7 @@ def grid(args: argparse.Namespace) -> None:
     for pass_ in args.passes:
         for tokens in args.tokens if pass_ == "train" else args.logprob_tokens:
             for mode in args.modes:
-                parts = estimate(mode, pass_, tokens, args.precision, args.allocator)
+                parts = estimate(mode, pass_, tokens, args.precision, args.allocator, args.recipe)
                 available = parts.pop("_available")
                 est = sum(parts.values())
                 row = f"| {pass_} | {tokens:,} | {mode} | {est / gib:.2f} |"
@@ -206,6 +210,7 @@ def grid(args: argparse.Namespace) -> None:
                     print(f"{row} not run (over 75% of {available / gib:.1f} GiB available) | | |")
                     continue
                 spec = {"mode": mode, "pass": pass_, "tokens": tokens, "precision": args.precision}
+                spec["recipe"] = args.recipe
                 got = measure(spec, args.allocator)
                 if "error" not in got and got["allocator"] != args.allocator:
                     got = {"error": f"the child ran on {got['allocator']}, not {args.allocator}"}
@@ -284,6 +289,9 @@ def steps(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--recipe", default=RECIPE, help="the grid's model: the recipe's (sft-gemma3-270m-gsm8k-cpu: Gemma 3)"
     )
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 10240, 16384])
     parser.add_argument("--logprob-tokens", type=int, nargs="+", default=[4096, 20480])

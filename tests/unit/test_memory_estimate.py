@@ -30,10 +30,12 @@ from rlfleet.memory.estimate import (
     PassShape,
     layer_activation_bytes,
     logprob_peak,
+    output_gradient_bytes,
     train_peak,
 )
 from rlfleet.memory.planner import (
     OPTIMIZER_STATE_BYTES,
+    count_lora_parameters,
     count_parameters,
     largest_fitting_tokens,
     memory_plan,
@@ -384,3 +386,25 @@ def test_plan_prints_each_pass_the_machine_and_what_it_runs_on(
     assert "train pass peak" in out and "logprob pass peak" in out and "activations" in out
     assert "fits: estimate" in out and "of 22.8 GiB available on this machine" in out
     assert "largest budget      policy.sequence_packing.train_mb_tokens=" in out
+
+
+def test_the_output_layers_gradient_counts_from_the_start_of_the_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Gemma 3 270M's tied 262,144 x 640 output layer is 168M of its 268M parameters: its float32 gradient
+    (0.62 GiB) is held beside the logits and the activations from the start of the backward (measured:
+    benchmarks/memory.py --recipe sft-gemma3-270m-gsm8k-cpu peaks at 7.8 GiB, where the estimate without
+    it said 6.2). LoRA freezes the output layer: no such gradient."""
+    _machine(monkeypatch, 64)
+    full = load_recipe(resolve_recipe_path("sft-gemma3-270m-gsm8k-cpu"), [])
+    arch = full.policy.architecture
+    assert arch is not None and arch.tie_word_embeddings
+    n = count_parameters(arch)
+    parts = memory_plan(full, resource_layout(full), n, n, algorithm="sft").passes["train"]
+    assert parts["output-layer gradient"] == output_gradient_bytes(arch) == 4 * 262_144 * 640
+    lora = load_recipe(
+        resolve_recipe_path("sft-gemma3-270m-gsm8k-cpu"), ["policy.dtensor_cfg.lora_cfg.enabled=true"]
+    )
+    trainable = count_lora_parameters(lora)
+    parts = memory_plan(lora, resource_layout(lora), n, trainable, algorithm="sft").passes["train"]
+    assert "output-layer gradient" not in parts

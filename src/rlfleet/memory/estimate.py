@@ -13,7 +13,10 @@ of a pass (Hugging Face's Llama-style decoder, SDPA attention, rlfleet's policy 
   and one layer's activations are recomputed at a time;
 - **logits**: ``[tokens x vocabulary]`` logits in the compute dtype, their float32 copy and, in training,
   its gradients; with ``policy.logprob_chunk_size`` only one chunk of tokens at a time;
-- **gradients** (float32, trained parameters) at the end of the backward and the optimizer step;
+- **gradients** (float32, trained parameters) at the end of the backward and the optimizer step; the output
+  layer's (``vocabulary x hidden``, tied to the embedding or not) from the start of the backward, beside the
+  logits and the activations (a model whose vocabulary is most of its parameters, Gemma 3's 262k tokens,
+  peaks there);
 - on a CPU, the process itself (Python, PyTorch, transformers, tokenizer) and what glibc's heap keeps
   resident of the blocks a backward frees (a share of the layer activations it allocated,
   ``CPU_HEAP_RETENTION``), so the CPU estimate is of resident memory, the GPU one of
@@ -141,13 +144,25 @@ def heap_retention_bytes(a: ArchitectureConfig, shape: PassShape) -> float:
     return CPU_HEAP_RETENTION * t * a.num_hidden_layers * small
 
 
+def output_gradient_bytes(a: ArchitectureConfig, tensor_parallel: int = 1) -> float:
+    """The float32 gradient of the output layer (``vocabulary x hidden``; column-parallel under TP)."""
+    return 4.0 * a.vocab_size * a.hidden_size / tensor_parallel
+
+
 def train_peak(
-    a: ArchitectureConfig, state: ModelState, shape: PassShape, *, cpu: bool, allocator: str = "glibc"
+    a: ArchitectureConfig,
+    state: ModelState,
+    shape: PassShape,
+    *,
+    cpu: bool,
+    allocator: str = "glibc",
+    trains_output_layer: bool = True,
 ) -> dict[str, float]:
-    """Bytes at the peak of a training pass, by part (the larger of the backward's start and its end,
-    where the gradients are); on a CPU with the process, and the heap's retention under glibc's
-    ``malloc`` (jemalloc, as ``rlfleet`` runs a training process where it is installed, reuses what the
-    backward frees: ``rlfleet.memory.allocator``)."""
+    """Bytes at the peak of a training pass, by part (the larger of the backward's start, where the logits,
+    the activations and the output layer's gradient are, and its end, where all the gradients are); on a
+    CPU with the process, and the heap's retention under glibc's ``malloc`` (jemalloc, as ``rlfleet`` runs
+    a training process where it is installed, reuses what the backward frees: ``rlfleet.memory.allocator``).
+    ``trains_output_layer``: False under LoRA (the frozen output layer gets no gradient)."""
     held = {
         "weights (fp32)": state.weights,
         "AdamW moments (fp32)": state.optimizer,
@@ -155,11 +170,16 @@ def train_peak(
         "compute copies": state.compute_copies,
         "teacher weights": state.teacher,
     }
-    backward = activation_bytes(a, shape) + logit_bytes(a, shape, "train")
+    head = output_gradient_bytes(a, shape.tensor_parallel) if trains_output_layer else 0.0
+    backward = activation_bytes(a, shape) + logit_bytes(a, shape, "train") + head
     # at the end of the backward the float32 gradients exist (AdamW's update adds less than they do: on
     # SmolLM2 the pass's peak with nothing else left was the gradients plus the casts)
     if backward >= state.gradients:
-        held |= {"activations": activation_bytes(a, shape), "logits": logit_bytes(a, shape, "train")}
+        held |= {
+            "activations": activation_bytes(a, shape),
+            "logits": logit_bytes(a, shape, "train"),
+            "output-layer gradient": head,
+        }
     else:
         held |= {"gradients": state.gradients}
     if cpu:

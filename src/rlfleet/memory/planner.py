@@ -351,7 +351,12 @@ def memory_plan(
     passes = {
         "logprob": logprob_peak(arch, state, _shape(cfg, layout, sizes["logprob"]), cpu=not on_gpu),
         "train": train_peak(
-            arch, state, _shape(cfg, layout, sizes["train"]), cpu=not on_gpu, allocator=allocator
+            arch,
+            state,
+            _shape(cfg, layout, sizes["train"]),
+            cpu=not on_gpu,
+            allocator=allocator,
+            trains_output_layer=trainable == parameters,  # LoRA freezes it
         ),
     }
     if "logprob" not in ALGORITHM_PASSES[algorithm]:
