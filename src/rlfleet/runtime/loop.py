@@ -213,7 +213,6 @@ def finished_run(cfg: MasterConfig, name: Algorithm, max_num_steps: int) -> dict
     A finished job that is submitted again (a rerun of ``make train``, a Kubernetes job restarted after it
     ended) so exits at once instead of loading its model first.
     """
-    check_config(cfg, name)  # a bad recipe is refused even when nothing is left to do
     ckpt = cfg.checkpointing
     if not ckpt.enabled or not Path(ckpt.checkpoint_dir).is_dir():
         return None
@@ -225,7 +224,8 @@ def finished_run(cfg: MasterConfig, name: Algorithm, max_num_steps: int) -> dict
     step = int(info["step"])
     logged = [r["step"] for r in read_metrics(cfg.logger.log_dir)]
     if step < max_num_steps or not logged or max(logged) != step:
-        return None
+        return None  # the run checks the recipe itself
+    check_config(cfg, name)  # a bad recipe is refused even when nothing is left to do
     log.info(COMPLETE, name, step, max_num_steps)
     return run_metrics(info)
 
