@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: benchmarks/ importable
+
+from benchmarks.scratch import scratch_dir
 
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.config import load_recipe, quote_override_value, resolve_recipe_path
@@ -29,7 +33,7 @@ PHASES = ("generation", "reward", "logprobs", "training", "refit", "checkpoint",
 def phase_table(
     model: str, steps: int, extra: list[str], always_compute_prev: bool = False
 ) -> tuple[dict[str, float], GRPO]:
-    run_dir = Path(tempfile.mkdtemp(prefix="rlfleet-bench-"))
+    run_dir = scratch_dir("rlfleet-bench-")
     overrides = [
         f"policy.model_name={quote_override_value(model)}",
         f"checkpointing.checkpoint_dir={quote_override_value(str(run_dir / 'ckpt'))}",

@@ -34,6 +34,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: benchmarks/ importable
+
+from benchmarks.scratch import scratch_dir
+
 RECIPE = "grpo-smollm2-135m-gsm8k-cpu"
 MODES = {"plain": (False, None), "ckpt": (True, None), "chunk": (False, 512), "ckpt+chunk": (True, 512)}
 ROW = (96, 160)  # prompt, response tokens of each packed sequence
@@ -254,9 +258,7 @@ def growth(args: argparse.Namespace) -> None:
 
 
 def steps(args: argparse.Namespace) -> None:
-    import tempfile
-
-    out = Path(tempfile.mkdtemp(prefix="rlfleet-memory-"))
+    out = scratch_dir("rlfleet-memory-")
     cmd = [
         sys.executable, "-m", "rlfleet.cli", "grpo", "grpo-smollm2-135m-arithmetic-cpu",
         f"grpo.max_num_steps={args.steps}", "grpo.val_period=0", "grpo.val_at_start=false",

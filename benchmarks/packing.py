@@ -35,12 +35,16 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import tempfile
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: benchmarks/ importable
+
+from benchmarks.scratch import scratch_dir
 
 from rlfleet.config import load_recipe, resolve_recipe_path
 from rlfleet.demo import ensure_tiny_model
@@ -174,9 +178,7 @@ def main() -> None:
     model = args.model
     if model is None:
         cfg = load_recipe(resolve_recipe_path("sft-tiny-arithmetic-cpu"))
-        model = str(
-            ensure_tiny_model(Path(tempfile.mkdtemp(prefix="rlfleet-packing-")) / "tiny", cfg, seed=0)
-        )
+        model = str(ensure_tiny_model(scratch_dir("rlfleet-packing-") / "tiny", cfg, seed=0))
     worker = PolicyWorker(ModelSource(model, "float32", args.gguf_file), SETTINGS, keep_reference=False)
     print(f"model {args.model or 'tiny default'}, {torch.get_num_threads()} threads, device {worker.device}")
     for distribution in args.distributions:

@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: benchmarks/ importable
+
+from benchmarks.scratch import scratch_dir
 
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.config import load_recipe, quote_override_value, resolve_recipe_path
@@ -69,7 +73,7 @@ class SingleTurnCollector:
 
 
 def build_trainer(recipe: str, model: str, steps: int, extra: Sequence[str]) -> GRPO:
-    run_dir = Path(tempfile.mkdtemp(prefix="rlfleet-paths-"))
+    run_dir = scratch_dir("rlfleet-paths-")
     overrides = [
         f"checkpointing.checkpoint_dir={quote_override_value(str(run_dir / 'ckpt'))}",
         f"logger.log_dir={quote_override_value(str(run_dir / 'logs'))}",
@@ -180,7 +184,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def resolve_model(args: argparse.Namespace) -> str:
     if not args.model or Path(args.model).is_dir() or args.recipe != DEFAULT_RECIPE:
         return args.model
-    base = Path(tempfile.mkdtemp(prefix="rlfleet-paths-model-")) / "base_model"
+    base = scratch_dir("rlfleet-paths-model-") / "base_model"
     cfg = load_recipe(resolve_recipe_path(DEFAULT_RECIPE), [])
     print(f"{args.model} not found: building the tiny base model in {base}")
     return str(ensure_tiny_model(base, cfg, seed=0))

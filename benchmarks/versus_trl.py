@@ -37,7 +37,6 @@ import json
 import logging
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -50,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: benchmarks/ importable
 
 from benchmarks.generation_backends import matmul_peak_flops, memory_bandwidth
+from benchmarks.scratch import scratch_dir
 
 from rlfleet.algorithms.grpo import GRPO
 from rlfleet.algorithms.overlong import OverlongShaping
@@ -486,7 +486,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
     steps = args.steps
-    work = Path(tempfile.mkdtemp(prefix="rlfleet-vs-trl-"))
+    work = scratch_dir("rlfleet-vs-trl-")
     case = Case(
         model_dir=prepare_model(work / "model", args.quick),
         data_file=write_prompts(args.prompts * steps, work / "prompts.jsonl"),
