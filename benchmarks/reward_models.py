@@ -266,6 +266,10 @@ def grpo_overrides(args: argparse.Namespace) -> list[str]:
         *(QUICK_GRPO if args.quick else ()),
         f"grpo.max_num_steps={steps}",
         f"grpo.val_period={period}",
+        # One std per group: a reward model's scores are continuous, and the leave-one-out std of peers whose
+        # scores nearly agree is close to 0, which blew single advantages up (losses of 2,447 and 12,926,
+        # gradient norms of 14,785 and 118,891 in a 30-step run); the group's std bounds |A| by sqrt(G).
+        "grpo.advantage_std=group",
         *args.grpo,
     ]
 
