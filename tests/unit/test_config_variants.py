@@ -173,6 +173,13 @@ def test_summary_names_each_variant() -> None:
     assert "overlong penalty up to 1 over tokens 48..64" in dapo and "truncated responses masked" in dapo
     assert "unbounded with the overlong penalty" in dapo and "advantage_std=group bounds" in dapo
     assert "unbounded" not in summary("grpo.reward_shaping.enabled=true", "grpo.advantage_std=group")
+    # a reward model's or a judge's scores are continuous too (benchmarks/reward_models.py: losses of 12,926)
+    for env in ("reward_model", "judge"):
+        scoring = (f"data.env_name={env}", f"env.{env}.model_name=org/scorer")
+        assert f"unbounded with the {env} environment's continuous rewards" in summary(*scoring)
+        assert "advantage_std=group bounds" in summary(*scoring)
+        assert "unbounded" not in summary(*scoring, "grpo.advantage_std=group")
+    assert "unbounded" not in summary("data.env_name=tools")
     assert "synchronous: generate, then train" in summary()
     assert "one response per sample" in summary()
     assert "episodes of up to 3 model turn(s) with the tools environment" in summary(

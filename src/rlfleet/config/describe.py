@@ -7,7 +7,7 @@ from __future__ import annotations
 from rlfleet.config.backends import BACKENDS
 from rlfleet.config.batching import ResolvedBatching, budget_key, recipe_batching
 from rlfleet.config.resolved import generation_backend, policy_precision, truncation_type
-from rlfleet.config.schema import MasterConfig
+from rlfleet.config.schema import MODEL_SCORED_ENVIRONMENTS, MasterConfig
 
 
 def _loss(cfg: MasterConfig) -> str:
@@ -57,9 +57,13 @@ def _std(cfg: MasterConfig) -> str:
     g = cfg.grpo
     if g.advantage_std == "group" or not g.use_leave_one_out_baseline:
         return "advantages / group std"
-    if g.reward_shaping.enabled:  # shaped rewards are continuous: see group_advantages
+    # continuous rewards (see group_advantages): the overlong penalty's, or a scoring model's
+    continuous = ["the overlong penalty's"] if g.reward_shaping.enabled else []
+    if cfg.data.env_name in MODEL_SCORED_ENVIRONMENTS:
+        continuous.append(f"the {cfg.data.env_name} environment's")
+    if continuous:
         return (
-            "advantages / std of the other samples (unbounded with the overlong penalty's continuous "
+            f"advantages / std of the other samples (unbounded with {' and '.join(continuous)} continuous "
             "rewards, when a sample's peers nearly agree: grpo.advantage_std=group bounds |A| by sqrt(G))"
         )
     return "advantages / std of the other samples"

@@ -579,6 +579,9 @@ BUILTIN_ENVIRONMENTS = ("math", "tools", "code", "reward_model", "judge", "agent
 """The environments rlfleet ships, each with its ``env.<name>`` section below (their classes:
 ``rlfleet.environments.builtin.BUILTIN``, which a unit test holds to these names)."""
 
+MODEL_SCORED_ENVIRONMENTS = ("reward_model", "judge")
+"""The built-in environments whose reward is a model's score: continuous, unlike a verifier's 0 or 1."""
+
 
 class EnvConfig(Strict):
     """Environments by name: the built-in ones (:data:`BUILTIN_ENVIRONMENTS`), and any other name for a
