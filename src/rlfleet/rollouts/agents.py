@@ -25,18 +25,16 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from rlfleet.environments.agent import AgentEnvironment
 from rlfleet.generation import GenerationBackend, SamplingParams
+from rlfleet.rollouts.episode import Episode
 from rlfleet.serving.engine import PolicyEndpoint, ServingLimits
 from rlfleet.serving.record import EpisodeRecord
 from rlfleet.serving.server import ServerSettings, ServerThread
-
-if TYPE_CHECKING:
-    from rlfleet.rollouts.episodes import Episode
 
 log = logging.getLogger(__name__)
 

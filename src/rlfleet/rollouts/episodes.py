@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -40,40 +40,8 @@ from rlfleet.errors import UserError
 from rlfleet.generation import GenerationBackend, GenerationResult, SamplingParams
 from rlfleet.generation.sampling import row_seeds, turn_seed
 from rlfleet.rollouts.agents import AgentDriver
+from rlfleet.rollouts.episode import Episode
 from rlfleet.rollouts.rollout import Rollout
-
-
-@dataclass
-class Episode:
-    """One conversation in progress."""
-
-    prompt: Prompt
-    env: str
-    seed: int
-    messages: list[Message]
-    metadata: Any
-    stop_strings: tuple[str, ...]
-    token_ids: list[int] = field(default_factory=list)  # after the prompt
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)  # 1 on sampled tokens
-    reward: float = 0.0
-    turns: int = 0
-    done: bool = False
-    cut: bool = False
-    last_turn_finished: bool = True  # the latest turn ended at EOS or a stop string, not at max_new_tokens
-    failed: bool = False
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt.token_ids) + len(self.token_ids)
-
-    def context(self) -> list[int]:
-        return [*self.prompt.token_ids, *self.token_ids]
-
-    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
-        self.token_ids.extend(ids)
-        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
-        self.mask.extend([1 if logprobs is not None else 0] * len(ids))
 
 
 def initial_messages(prompt: Prompt, system_prompt: str | None) -> list[Message]:
