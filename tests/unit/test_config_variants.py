@@ -150,6 +150,8 @@ def test_summary_names_each_variant() -> None:
     gspo = summary("loss_fn.sequence_level_importance_ratios=true", "loss_fn.ratio_clip_min=3e-4")
     assert "sequence ratio (GSPO" in gspo and "0.9997" in gspo
     assert "token sums / 64 (Dr.GRPO" in summary("loss_fn.max_length_normalization=true")
+    assert "compiled (torch.compile" in summary("policy.torch_compile=true")
+    assert "compiled" not in summary()
     assert "truncated at 2 (tis)" in summary(
         "loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_ratio=2"
     )

@@ -116,8 +116,12 @@ def _rollouts(cfg: MasterConfig) -> str:
 def _precision(cfg: MasterConfig) -> str:
     resolved = policy_precision(cfg)
     if resolved.name == "float32":
-        return f"float32 ({resolved.reason})"
-    return f"{resolved.name} compute, float32 master weights and AdamW state ({resolved.reason})"
+        text = f"float32 ({resolved.reason})"
+    else:
+        text = f"{resolved.name} compute, float32 master weights and AdamW state ({resolved.reason})"
+    if cfg.policy.torch_compile:
+        text += "; decoder layers and logprobs compiled (torch.compile: the first pass compiles; cached)"
+    return text
 
 
 def _batching(cfg: MasterConfig, batching: ResolvedBatching) -> str:

@@ -173,6 +173,20 @@ class OptimizerKwargs(Strict):
     weight_decay: float = Field(0.01, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0)
+    foreach: bool | None = Field(
+        None, description="torch's multi-tensor AdamW (NeMo RL's key); null: torch's choice when not fused."
+    )
+    fused: bool | None = Field(
+        None,
+        description="torch's fused AdamW kernel (NeMo RL's key): one kernel over all parameters, the same "
+        "update. null: fused on the CPU and on CUDA unless foreach is true.",
+    )
+
+    @model_validator(mode="after")
+    def _one_implementation(self) -> OptimizerKwargs:
+        if self.fused and self.foreach:
+            raise ValueError("fused and foreach are two AdamW implementations: set at most one to true")
+        return self
 
 
 class OptimizerConfig(Strict):
@@ -404,6 +418,13 @@ class PolicyConfig(Strict):
         "AMX-BF16), else float32; `rlfleet validate` prints what it resolved to and why.",
     )
     max_grad_norm: float | None = Field(1.0, gt=0.0)
+    torch_compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer (regional compilation, dynamic shapes) for the "
+        "training and logprob passes: elementwise work (norms, rotary, activations, casts) fuses into few "
+        "kernels. The first step pays the compilation, logged once; the compiled code is cached on disk "
+        "($RLFLEET_CACHE_DIR/inductor, else ~/.cache/rlfleet/inductor) for later runs.",
+    )
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     generation: GenerationConfig = GenerationConfig()

@@ -25,6 +25,7 @@ import shutil
 from pathlib import Path
 
 from rlfleet.errors import UserError
+from rlfleet.utils.cache import cache_root
 
 PACKAGE_PREFIX = "package:"
 SUMS_FILE = "SHA256SUMS"
@@ -39,10 +40,7 @@ class ModelPackageError(UserError, FileNotFoundError):
 def cache_dir() -> Path:
     """Where assembled model files go: ``$RLFLEET_CACHE_DIR/models``, else ``$XDG_CACHE_HOME/rlfleet/models``,
     else ``~/.cache/rlfleet/models``."""
-    if os.environ.get("RLFLEET_CACHE_DIR"):
-        return Path(os.environ["RLFLEET_CACHE_DIR"]) / "models"
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "rlfleet" / "models"
+    return cache_root() / "models"
 
 
 def package_dir(package: str) -> Path | None:

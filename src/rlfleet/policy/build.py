@@ -34,6 +34,7 @@ from transformers import PreTrainedModel
 
 from rlfleet.models.loading import DTYPES, ModelSource
 from rlfleet.models.lora import LoraSettings, WithoutAdapters, apply_lora
+from rlfleet.policy.compile import compile_layers
 from rlfleet.policy.parallelize import checkpoint_layers, parallelize
 from rlfleet.utils.cpu import cpu_flags, slow_cpu_precision
 
@@ -53,12 +54,14 @@ class PolicyModels:
         compute_dtype: ``policy.precision`` as a torch dtype.
         autocast_dtype: The dtype forward passes must run under ``torch.autocast`` with
             (``compute_autocast``); None when nothing is to be cast (float32 compute, or FSDP2 casts).
+        compiled: Whether the decoder layers are compiled (``rlfleet.policy.compile``).
     """
 
     model: PreTrainedModel
     reference: PreTrainedModel | WithoutAdapters | None
     compute_dtype: torch.dtype
     autocast_dtype: torch.dtype | None
+    compiled: bool = False
 
 
 def compute_autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager[None]:
@@ -79,6 +82,7 @@ def build_policy_models(
     keep_reference: bool,
     mesh: DeviceMesh | None = None,
     lora: LoraSettings | None = None,
+    torch_compile: bool = False,
 ) -> PolicyModels:
     """Loads the trainable policy with float32 master weights (and optionally a frozen reference).
 
@@ -92,6 +96,8 @@ def build_policy_models(
         mesh: A ``("dp", "tp")`` mesh (``build_mesh``): tensor-parallel over ``"tp"``, FSDP2-sharded
             over ``"dp"``; None keeps the model whole in this process.
         lora: Train LoRA adapters on the linears it selects (the rest frozen); None trains every weight.
+        torch_compile: Compile each decoder layer of the policy and the reference
+            (``rlfleet.policy.compile``).
 
     Returns:
         The models, the compute dtype, and whether forward passes need ``compute_autocast``.
@@ -105,6 +111,8 @@ def build_policy_models(
     model.to(device)  # type: ignore[arg-type]
     if lora is not None:
         apply_lora(model, lora)
+    if torch_compile:  # before checkpointing and sharding wrap the layers
+        compile_layers(model)
     if mesh is None:
         if activation_checkpointing:
             checkpoint_layers(model)
@@ -114,11 +122,15 @@ def build_policy_models(
     if keep_reference and lora is not None:
         reference = WithoutAdapters(model)
     elif keep_reference:  # loaded after the policy is sharded, so that a rank never holds two whole copies
-        reference = _frozen_reference(source, device, mesh)
-    return PolicyModels(model, reference, compute, autocast_dtype=cast if mesh is None else None)
+        reference = _frozen_reference(source, device, mesh, torch_compile)
+    return PolicyModels(
+        model, reference, compute, autocast_dtype=cast if mesh is None else None, compiled=torch_compile
+    )
 
 
-def _frozen_reference(source: ModelSource, device: torch.device, mesh: DeviceMesh | None) -> PreTrainedModel:
+def _frozen_reference(
+    source: ModelSource, device: torch.device, mesh: DeviceMesh | None, torch_compile: bool
+) -> PreTrainedModel:
     """The initial weights, in eval mode, without gradients, computing exactly as the policy does.
 
     In one process the policy holds float32 weights and its forward runs under autocast; so does the
@@ -130,6 +142,8 @@ def _frozen_reference(source: ModelSource, device: torch.device, mesh: DeviceMes
     reference = source.load_model("float32" if mesh is None else None)
     # transformers' @wraps on PreTrainedModel.to hides the bound self from mypy
     reference.to(device)  # type: ignore[arg-type]
+    if torch_compile:
+        compile_layers(reference)
     if mesh is not None:
         parallelize(reference, mesh, activation_checkpointing=False)
     reference.eval()

@@ -49,6 +49,11 @@ ScoringModel = PreTrainedModel | WithoutAdapters
 # what a pass reads from the logits of each position at that position's targets (see ``Readout``)
 Pick = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
+# set on a model whose decoder layers ``rlfleet.policy.compile.compile_layers`` compiled: its logprobs then
+# come from a compiled ``picked_logprobs`` too (the cast, max, exp-sum and log over the vocabulary fuse into
+# one pass, forward and backward)
+COMPILED_MARK = "_rlfleet_compiled"
+
 
 def picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """``log softmax(logits / temperature)[target]`` over the last dim, as ``logit[target] - logsumexp``
@@ -78,6 +83,18 @@ class Readout:
 def _from_second_position(picked: torch.Tensor) -> torch.Tensor:
     """``[B, T-1, ...]`` values of positions ``1..T-1`` as ``[B, T, ...]`` with position 0 at 0."""
     return torch.nn.functional.pad(picked, (0, 0) * (picked.ndim - 2) + (1, 0), value=0.0)
+
+
+@functools.cache
+def _compiled_picked_logprobs() -> Pick:
+    compiled: Pick = torch.compile(picked_logprobs, dynamic=True)
+    return compiled
+
+
+def default_pick(model: ScoringModel) -> Pick:
+    """``picked_logprobs``, compiled when ``model``'s layers are (``COMPILED_MARK``)."""
+    inner = model.model if isinstance(model, WithoutAdapters) else model
+    return _compiled_picked_logprobs() if getattr(inner, COMPILED_MARK, False) else picked_logprobs
 
 
 def logprobs_from_logits(
@@ -242,6 +259,8 @@ def model_logprobs(
                 "fix: policy.logprob_chunk_size=null"
             )
         return token_scores(model, input_ids, **inputs)
+    if readout is None:
+        readout = (default_pick(model), input_ids)
     if chunk is None:
         logits = model(input_ids=input_ids, use_cache=False, **inputs).logits  # [B, T, V]
         return logprobs_from_logits(logits, input_ids, temperature, readout)

@@ -6,6 +6,11 @@ With ``sdpa``, transformers runs a packed row (position ids restarting at 0, no 
 rows (the CPU has no variable-length kernel). ``sdpa_packed`` cuts the row at the restarts and runs causal
 SDPA per sequence: the same numbers as the masked computation, at ``k l^2``. On anything that is not a
 packed row (padded batches, generation with a cache) it is plain ``sdpa``.
+
+Sliding-window attention (Gemma 3's local layers, Mistral, Qwen2/3 with a window) keeps its window: the
+attention modules of those families pass ``sliding_window`` to the attention function, and a sequence longer
+than the window runs under a banded causal mask of its own length (``window_mask``); shorter ones, the
+common case on a CPU, stay plain causal.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ NAME = "sdpa_packed"
 # cache) and oneDNN one matmul primitive per backward shape, so a new length per sequence grew the trainer
 # step after step (issue 20: the README's memory section has the measurement).
 SEQUENCE_ROUND = 32
+# model types whose attention modules pass ``sliding_window`` to the attention function (checked in
+# tests/functional/test_packing.py against each family's own masked attention); other windowed models stay
+# on plain sdpa
+WINDOW_AWARE_MODEL_TYPES = ("gemma3_text", "gemma3", "mistral", "qwen2", "qwen3")
 
 
 def sequence_bounds(position_ids: torch.Tensor | None, length: int) -> list[tuple[int, int]] | None:
@@ -62,13 +71,26 @@ def sdpa_packed_attention(
             module, query, key, value, attention_mask, dropout, scaling, position_ids=position_ids, **kwargs
         )
     kwargs.pop("is_causal", None)
+    window = kwargs.pop("sliding_window", None)
     parts = []
     for a, b in bounds:
-        pad = (0, 0, 0, round_up(b - a, SEQUENCE_ROUND) - (b - a))  # zeros after the sequence's last token
+        width = round_up(b - a, SEQUENCE_ROUND)
+        pad = (0, 0, 0, width - (b - a))  # zeros after the sequence's last token
         q, k, v = (F.pad(t[:, :, a:b], pad) for t in (query, key, value))
-        out = sdpa_attention_forward(module, q, k, v, None, dropout, scaling, is_causal=True, **kwargs)[0]
+        mask = window_mask(width, window, query.device) if window is not None and b - a > window else None
+        out = sdpa_attention_forward(
+            module, q, k, v, mask, dropout, scaling, is_causal=mask is None, **kwargs
+        )[0]
         parts.append(out[:, : b - a])  # [1, l, H, D]
     return torch.cat(parts, dim=1), None
+
+
+def window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """``[1, 1, length, length]`` boolean: query ``i`` sees key ``j`` when ``i - window < j <= i``
+    (transformers' causal mask and ``sliding_window_overlay``)."""
+    i = torch.arange(length, device=device)[:, None]
+    j = torch.arange(length, device=device)[None, :]
+    return ((j <= i) & (j > i - window))[None, None]
 
 
 AttentionInterface.register(NAME, sdpa_packed_attention)
@@ -78,8 +100,11 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # built once per forward
 def use_packed_sdpa(model: PreTrainedModel | WithoutAdapters) -> None:
     """Switches a model on ``sdpa`` to ``sdpa_packed`` (for good: recomputation under activation
     checkpointing must see the same attention). Other implementations, and models with an active
-    sliding window (which cutting a row into whole sequences would ignore), are left as they are."""
+    sliding window whose family is not known to pass it to the attention function
+    (``WINDOW_AWARE_MODEL_TYPES``), are left as they are."""
     config = model.config
     window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-    if config._attn_implementation == "sdpa" and not window:
+    if window and config.model_type not in WINDOW_AWARE_MODEL_TYPES:
+        return
+    if config._attn_implementation == "sdpa":
         model.set_attn_implementation(NAME)

@@ -22,6 +22,7 @@ from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import LoraSettings, WithoutAdapters
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.build import PolicyModels, build_policy_models, compute_autocast, require_master_dtype
+from rlfleet.policy.compile import compile_seconds
 from rlfleet.policy.interface import LossFn
 from rlfleet.policy.logprobs import Readout, batch_logprobs, forward_logprobs
 from rlfleet.policy.loss_math import Normalizer
@@ -46,6 +47,21 @@ class OptimizerSettings:
     eps: float
     max_grad_norm: float | None
     schedule: LrSchedule = field(default_factory=LrSchedule)  # constant lr
+    foreach: bool | None = None  # torch's multi-tensor AdamW; None: torch's choice
+    fused: bool | None = None  # torch's fused AdamW; None: fused on the CPU and CUDA unless foreach
+
+
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # where torch has a fused AdamW kernel for float32 parameters
+
+
+def adamw_implementation(settings: OptimizerSettings, device_type: str) -> tuple[bool | None, bool]:
+    """``(foreach, fused)`` for ``torch.optim.AdamW``: the settings' choice, and where they leave it open
+    (``fused`` None), the fused kernel on devices that have one, unless ``foreach`` asks for the
+    multi-tensor one. All three compute the same update up to rounding (``tests/unit/test_optimizer.py``)."""
+    fused = settings.fused
+    if fused is None:
+        fused = device_type in FUSED_ADAMW_DEVICES and not settings.foreach
+    return settings.foreach, fused
 
 
 def over_global_batches(
@@ -91,9 +107,17 @@ class TrainablePolicy(ABC):
         self.model = models.model
         self.reference = models.reference
         self.autocast_dtype = models.autocast_dtype
+        self.compiled = models.compiled
         s = self.settings
+        foreach, fused = adamw_implementation(s, self.device.type)
         self.optimizer = torch.optim.AdamW(
-            self.trainable_parameters(), lr=s.lr, weight_decay=s.weight_decay, betas=s.betas, eps=s.eps
+            self.trainable_parameters(),
+            lr=s.lr,
+            weight_decay=s.weight_decay,
+            betas=s.betas,
+            eps=s.eps,
+            foreach=foreach,
+            fused=fused,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, s.schedule)
@@ -141,7 +165,8 @@ class TrainablePolicy(ABC):
         parallelism every rank receives the whole batch and trains on its share of each global batch.
         Returns metrics averaged over the optimizer steps (summed over micro-batches and ranks): the loss
         function's metrics plus ``grad_norm``, ``lr`` and the padding shares of ``padding_metrics``; the
-        same on every rank.
+        same on every rank. With compiled layers also ``compile_s``: this process's seconds of compiling
+        so far (``rlfleet.policy.compile``; it stops growing once every shape class has compiled).
         """
         if len(batch) % global_batch_size or global_batch_size % self.dp_size:
             raise ValueError(
@@ -155,6 +180,8 @@ class TrainablePolicy(ABC):
             batch, global_batch_size, lambda gb: self._optimizer_step(gb, loss_fn, batching, temperature)
         )
         self.heap.after_pass()  # the freed activations back to the OS once they add up (memory.probes)
+        if self.compiled:
+            metrics["compile_s"] = compile_seconds()
         return {**metrics, **padding_metrics(batch, global_batch_size, batching, self.dp_size)}
 
     @abstractmethod
@@ -229,6 +256,7 @@ class PolicyWorker(TrainablePolicy):
         activation_checkpointing: Recompute each decoder layer's activations in the backward pass.
         device: Where the model lives; default the current CUDA device when there is one, else the CPU.
         lora: Train LoRA adapters only (the reference is then the policy with its adapters off).
+        torch_compile: Compile each decoder layer (``rlfleet.policy.compile``).
     """
 
     def __init__(
@@ -240,6 +268,7 @@ class PolicyWorker(TrainablePolicy):
         activation_checkpointing: bool = False,
         device: torch.device | None = None,
         lora: LoraSettings | None = None,
+        torch_compile: bool = False,
     ) -> None:
         self.settings = settings
         self.device = device if device is not None else default_device()
@@ -251,6 +280,7 @@ class PolicyWorker(TrainablePolicy):
             activation_checkpointing=activation_checkpointing,
             keep_reference=keep_reference,
             lora=lora,
+            torch_compile=torch_compile,
         )
         self._init_models(models)
 

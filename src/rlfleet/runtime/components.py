@@ -73,6 +73,8 @@ def optimizer_settings(cfg: MasterConfig) -> OptimizerSettings:
         betas=adamw.betas,
         eps=adamw.eps,
         max_grad_norm=policy.max_grad_norm,
+        foreach=adamw.foreach,
+        fused=adamw.fused,
         schedule=LrSchedule(
             warmup_steps=sched.warmup_steps,
             warmup_start_factor=sched.warmup_start_factor,
@@ -95,6 +97,7 @@ def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> Polic
         keep_reference=keep_reference,
         activation_checkpointing=cfg.policy.dtensor_cfg.activation_checkpointing,
         lora=lora_settings(cfg),
+        torch_compile=cfg.policy.torch_compile,
     )
 
 
@@ -180,6 +183,7 @@ def build_policy(
             policy_cfg.dtensor_cfg.tensor_parallel_size,
             policy_cfg.dtensor_cfg.activation_checkpointing,
             lora=lora_settings(cfg),
+            torch_compile=policy_cfg.torch_compile,
         ),
         generation_batch_size=policy_cfg.generation.batch_size,
         vllm=ray_vllm_settings(cfg, seed) if generation and backend_of(layout).reads_vllm_cfg else None,
