@@ -59,7 +59,7 @@ from rlfleet.config import MasterConfig, load_recipe, quote_override_value, reso
 from rlfleet.config.resolved import policy_precision
 from rlfleet.data import build_prompts, load_task, resolve_system_prompt
 from rlfleet.logging import read_metrics
-from rlfleet.models.loading import load_model, load_tokenizer
+from rlfleet.models.loading import load_model, load_tokenizer, set_chat_template
 from rlfleet.models.tiny import TinyModelSpec, create_tiny_model
 from rlfleet.rewards.math import math_reward
 
@@ -135,11 +135,13 @@ def prepare_model(out_dir: Path, quick: bool, model: str = "smollm2") -> Path:
     if quick:
         corpus = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()]
         return create_tiny_model(out_dir, corpus, QUICK_SPEC, seed=0)
-    name, gguf, _, _ = MODELS[model]
-    model = load_model(name, "float32", gguf)
-    model.config.use_cache = True  # load_model turns the cache off for training; TRL's generate needs it
-    model.save_pretrained(out_dir)
-    load_tokenizer(name, gguf).save_pretrained(out_dir)
+    name, gguf, recipe, _ = MODELS[model]
+    loaded = load_model(name, "float32", gguf)
+    loaded.config.use_cache = True  # load_model turns the cache off for training; TRL's generate needs it
+    loaded.save_pretrained(out_dir)
+    # with the recipe's chat template (a pretrained model such as Gemma 3 270M ships none), which TRL reads
+    template = load_recipe(resolve_recipe_path(recipe)).policy.tokenizer.chat_template
+    set_chat_template(load_tokenizer(name, gguf), template).save_pretrained(out_dir)
     return out_dir
 
 
@@ -197,6 +199,7 @@ BEFORE = [
 
 LIKE_FOR_LIKE = [
     "policy.precision=float32",
+    "policy.torch_compile=false",  # TRL's rows run eager
     "policy.generation.backend=hf",
     "policy.sequence_packing.enabled=false",
 ]

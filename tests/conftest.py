@@ -663,3 +663,23 @@ def kill_and_wait(actor: Any) -> None:
             return
         time.sleep(0.2)
     raise AssertionError("the killed actor still answers")
+
+
+def run_benchmark(script: Path, *args: str, timeout: float = 290) -> str:
+    """Runs ``benchmarks/<script>`` with ``args`` in a fresh interpreter; its stdout (it must exit 0)."""
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def markdown_rows(text: str, header: str) -> dict[str, list[str]]:
+    """The rows of the markdown tables in ``text`` (not their header row, which starts ``| <header>``), by
+    the stripped first cell; each row's cells as ``line.split("|")`` gives them."""
+    return {
+        cells[1].strip(): cells
+        for line in text.splitlines()
+        if line.startswith("| ") and not line.startswith(f"| {header}")
+        for cells in [line.split("|")]
+    }

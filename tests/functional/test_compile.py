@@ -75,6 +75,17 @@ def test_compiled_layers_give_the_eager_logprobs_loss_and_gradients(
 
     assert compile_seconds() > before  # the compiled worker compiled (and the eager one did not need to)
     assert any((tmp_path / "cache" / "inductor").iterdir())  # inductor wrote its cache where rlfleet said
+    # HF generation on the policy's own module (the hf backend) runs the layers eagerly: a KV cache whose
+    # state changes every decoding step would recompile them; the same tokens, nothing compiled
+    spent = compile_seconds()
+    prompt = first.input_ids[:1, :5]
+    with torch.no_grad(), compiled._compute():
+        tokens = compiled.model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    with torch.no_grad(), eager._compute():
+        want = eager.model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    assert tokens.shape == (1, 11) and torch.equal(tokens, want)
+    assert compile_seconds() == spent
+
     report = compiled.train(first, pg_loss(), global_batch_size=4, micro_batching=PACKED)
     assert report["compile_s"] == pytest.approx(compile_seconds())
     assert "compile_s" not in eager.train(first, pg_loss(), global_batch_size=4, micro_batching=PACKED)

@@ -3,13 +3,12 @@ arguments."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from rlfleet.policy.microbatch import PACKED_WIDTHS_PER_DOUBLING
+from tests.conftest import markdown_rows, run_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "packing.py"
 
@@ -26,20 +25,8 @@ def test_quick_caps_the_rows_and_runs_once() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_run_prints_padding_and_times_per_layout() -> None:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--distributions", "arithmetic", "--rows", "8"],
-        capture_output=True,
-        text=True,
-        timeout=290,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {
-        cells[1].strip(): cells
-        for line in done.stdout.splitlines()
-        if line.startswith("| ") and not line.startswith("| layout")
-        for cells in [line.split("|")]
-    }
+    out = run_benchmark(SCRIPT, "--quick", "--distributions", "arithmetic", "--rows", "8")
+    rows = markdown_rows(out, "layout")
     assert set(rows) == {"padded", "dynamic", "packed"}
     padding = {name: float(cells[3].strip().rstrip("%")) / 100 for name, cells in rows.items()}
     # a packed row is rounded up to a width on the grid: at most 1/16 of its slots are padding

@@ -3,11 +3,11 @@ checks the compiled path) run on the tiny model, the table and the attention lin
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import markdown_rows, run_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "train_pass.py"
 
@@ -27,23 +27,11 @@ def test_arguments_and_settings() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_run_prints_each_setting_against_the_floor() -> None:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--settings", "0", "2"],
-        capture_output=True,
-        text=True,
-        timeout=290,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {
-        cells[1].strip(): cells
-        for line in done.stdout.splitlines()
-        if line.startswith("| ") and not line.startswith("| setting")
-        for cells in [line.split("|")]
-    }
+    out = run_benchmark(SCRIPT, "--quick", "--settings", "0", "2")
+    rows = markdown_rows(out, "setting")
     assert set(rows) == {"before", "+ fused AdamW"}
     for cells in rows.values():
         assert cells[2].strip() == "sdpa_packed"  # packing switched the tiny Llama to per-sequence attention
         assert float(cells[3]) > 0 and float(cells[4].strip().rstrip("x")) > 1  # slower than the floor
         assert float(cells[7]) == 0.0  # nothing compiled
-    assert "attention alone, forward and backward over the packed row (x 4 layers)" in done.stdout
+    assert "attention alone, forward and backward over the packed row (x 4 layers)" in out

@@ -212,3 +212,16 @@ def test_validate_prints_the_configured_variant(capsys) -> None:
     assert "sequence_level_importance_ratios: true" in out and "#   loss: sequence ratio (GSPO" in out
     assert main(["plan", "grpo-tiny-arithmetic-cpu", *args]) == 0
     assert "sequence ratio (GSPO" in capsys.readouterr().out
+
+
+def test_torch_compile_is_refused_on_ray_and_allowed_in_one_process() -> None:
+    from rlfleet.config.checks import unsupported_settings
+
+    def problems(*overrides: str) -> list[str]:
+        cfg = validate_config(apply_overrides(good_raw(), ["policy.torch_compile=true", *overrides]))
+        return [p for p in unsupported_settings(cfg, here=False) if "torch_compile" in p]
+
+    assert problems() == []
+    for ray in (["cluster.gpus_per_node=2"], ["cluster.use_ray=true"]):
+        [problem] = problems(*ray)
+        assert "fix: policy.torch_compile=false" in problem

@@ -468,6 +468,12 @@ def unsupported_settings(
         problems.append(
             "this run needs Ray (several workers), but ray is not installed; fix: pip install 'rlfleet[ray]'"
         )
+    if cfg.policy.torch_compile and uses_ray(cfg, layout=layout):
+        problems.append(
+            "policy.torch_compile=true on Ray: this build compiles the layers of an in-process policy only "
+            "(compiled layers under FSDP2 on Ray workers are not supported yet); "
+            "fix: policy.torch_compile=false, or a single-process layout"
+        )
     d = cfg.policy.dtensor_cfg
     if not d.enabled:
         problems.append(

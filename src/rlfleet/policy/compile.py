@@ -16,9 +16,10 @@ compiled kernels instead of building them.
 
 from __future__ import annotations
 
-import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -26,8 +27,6 @@ from transformers import PreTrainedModel
 from rlfleet.policy.logprobs import COMPILED_MARK
 from rlfleet.policy.parallelize import decoder_layers
 from rlfleet.utils.cache import cache_root
-
-log = logging.getLogger(__name__)
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -54,9 +53,23 @@ def compile_layers(model: PreTrainedModel) -> PreTrainedModel:
     layers = decoder_layers(model)
     os.environ[CACHE_ENV] = str(compile_cache_dir())  # inductor reads it at every compile
     for layer in layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)
+        layer.forward = _compiled_without_cache(layer.forward)
     setattr(model, COMPILED_MARK, True)  # its logprobs compile too (rlfleet.policy.logprobs.default_pick)
     return model
+
+
+def _compiled_without_cache(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` compiled, for the passes without a KV cache (training and logprobs); a call with
+    ``past_key_values`` (HF generation on the policy's own module) runs it eagerly: the cache's state
+    changes at every decoding step and would recompile the layer each time."""
+    compiled = torch.compile(forward, dynamic=True)
+
+    def layer_forward(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("past_key_values") is not None:
+            return forward(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    return layer_forward
 
 
 def compile_seconds() -> float:
