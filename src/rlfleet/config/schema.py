@@ -422,8 +422,9 @@ class PolicyConfig(Strict):
         False,
         description="torch.compile each decoder layer (regional compilation, dynamic shapes) for the "
         "training and logprob passes: elementwise work (norms, rotary, activations, casts) fuses into few "
-        "kernels. The first step pays the compilation, logged once; the compiled code is cached on disk "
-        "($RLFLEET_CACHE_DIR/inductor, else ~/.cache/rlfleet/inductor) for later runs.",
+        "kernels. The first step pays the compilation (train/compile_s); the compiled code is cached on disk "
+        "($RLFLEET_CACHE_DIR/inductor, else ~/.cache/rlfleet/inductor) for later runs. One process only "
+        "(refused on Ray).",
     )
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()

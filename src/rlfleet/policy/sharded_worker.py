@@ -52,7 +52,6 @@ class ShardingSettings:
     generation_batch_size: int | None = None  # None: no colocated generation engine on this rank
     generation_vllm: VLLMSettings | None = None  # the colocated engine is vLLM (else HF)
     lora: LoraSettings | None = None  # train LoRA adapters only (policy.dtensor_cfg.lora_cfg)
-    torch_compile: bool = False  # compile each decoder layer (policy.torch_compile)
 
 
 class ShardedPolicyWorker(TrainablePolicy):
@@ -102,7 +101,6 @@ class ShardedPolicyWorker(TrainablePolicy):
             keep_reference=keep_reference,
             mesh=self.mesh,
             lora=sharding.lora,
-            torch_compile=sharding.torch_compile,
         )
         self._init_models(models)
         self.generator: GenerationWorker | None = None

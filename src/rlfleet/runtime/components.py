@@ -183,7 +183,6 @@ def build_policy(
             policy_cfg.dtensor_cfg.tensor_parallel_size,
             policy_cfg.dtensor_cfg.activation_checkpointing,
             lora=lora_settings(cfg),
-            torch_compile=policy_cfg.torch_compile,
         ),
         generation_batch_size=policy_cfg.generation.batch_size,
         vllm=ray_vllm_settings(cfg, seed) if generation and backend_of(layout).reads_vllm_cfg else None,
