@@ -24,6 +24,12 @@ forward, ``8 N``. A logprob pass is ``2 N`` per token.
     .venv/bin/python benchmarks/train_pass.py --model smollm2
     .venv/bin/python benchmarks/train_pass.py --model gemma3 --rows 16
     .venv/bin/python benchmarks/train_pass.py --quick   # the tiny model, a smoke check
+    .venv/bin/python benchmarks/train_pass.py --model gemma3 --settings 3 --profile
+
+``--profile`` adds where the time of one training pass of the last row goes (``torch.profiler``, each
+operator's own time, grouped: matmuls with the FLOP rate they reach, attention, the compiled regions'
+fused kernels, the optimizer, copies and casts, the rest), which is what stands between a pass and its
+floor.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import re
 import statistics
 import sys
 import time
@@ -132,6 +139,84 @@ def _timed(worker: PolicyWorker, pairs: list[tuple[int, int]], steps: int, setti
     return Row(setting, lp_s, statistics.median(times[1:]), times[0], compiled, attention)
 
 
+# operator name -> group of the profile (first match wins; each operator's own time, so wrappers such as
+# aten::linear count only their own overhead)
+PROFILE_GROUPS = (
+    ("matmuls", re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm)$|mkldnn|onednn|^aten::_weight")),
+    ("attention (sdpa)", re.compile(r"scaled_dot_product|flash_attention")),
+    ("compiled regions' own kernels", re.compile(r"Compiled|compiled|inductor|cpp_fused")),
+    ("optimizer", re.compile(r"Optimizer|adam|_foreach_", re.IGNORECASE)),
+    (
+        "copies and casts",
+        re.compile(
+            r"^aten::(copy_|_to_copy|to|clone|contiguous|cat|stack|index|gather|"
+            r"scatter|index_select|embedding|fill_|zero_|zeros|empty|slice|select)"
+        ),
+    ),
+)
+
+
+@dataclasses.dataclass
+class ProfileGroup:
+    name: str
+    seconds: float
+    flops: float
+    operators: dict[str, float] = dataclasses.field(default_factory=dict)  # name -> own seconds
+
+
+def profile_groups(events: Any) -> list[ProfileGroup]:
+    """Each operator's own CPU time and FLOPs (``torch.profiler``'s ``key_averages()``), summed by
+    ``PROFILE_GROUPS`` (the rest under one more group: eager elementwise work and norms, autograd's
+    engine, views)."""
+    groups = {name: ProfileGroup(name, 0.0, 0.0) for name, _ in PROFILE_GROUPS}
+    rest = ProfileGroup("elementwise, norms, reductions run eagerly, and the rest", 0.0, 0.0)
+    for event in events:
+        group = next((groups[n] for n, pattern in PROFILE_GROUPS if pattern.search(event.key)), rest)
+        group.seconds += event.self_cpu_time_total / 1e6
+        group.operators[event.key] = group.operators.get(event.key, 0.0) + event.self_cpu_time_total / 1e6
+        group.flops += float(getattr(event, "flops", 0) or 0)
+    return [*groups.values(), rest]
+
+
+def profile_pass(source: ModelSource, setting: Setting, pairs: list[tuple[int, int]]) -> list[ProfileGroup]:
+    """One training pass of ``setting`` under ``torch.profiler`` (after an untimed one)."""
+    settings = dataclasses.replace(SETTINGS, fused=setting.fused, foreach=None if setting.fused else True)
+    worker = PolicyWorker(
+        source,
+        settings,
+        keep_reference=False,
+        activation_checkpointing=setting.checkpointing,
+        torch_compile=setting.compile,
+    )
+    batch = make_batch(worker, pairs, seed=0)
+    tokens = int(batch.attention_mask.sum())
+    packed = MicroBatching(len(batch), tokens + 32 * len(batch), pack=True, logprob_chunk=512)
+    batch = batch.with_(ref_logprobs=worker.logprobs(batch, packed))
+    worker.train(batch, LOSS, global_batch_size=len(batch), micro_batching=packed)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
+        worker.train(batch, LOSS, global_batch_size=len(batch), micro_batching=packed)
+    del worker
+    gc.collect()
+    return profile_groups(prof.key_averages())
+
+
+def print_profile(groups: list[ProfileGroup], peak: float, name: str) -> None:
+    total = sum(g.seconds for g in groups)
+    print(f"\nwhere one training pass goes ({name}; operators' own time, {total:.2f} s in all):\n")
+    print("| part | seconds | share | GFLOP/s (of the matmul peak) |")
+    print("|---|---|---|---|")
+    for g in groups:
+        rate = (
+            f"{g.flops / g.seconds / 1e9:.0f} ({g.flops / g.seconds / peak:.0%})"
+            if g.flops and g.seconds
+            else ""
+        )
+        print(f"| {g.name} | {g.seconds:.3f} | {g.seconds / total:.0%} | {rate} |")
+    for g in groups:
+        top = sorted(g.operators.items(), key=lambda kv: -kv[1])[:6]
+        print(f"- {g.name}: " + ", ".join(f"{name} {sec:.3f} s" for name, sec in top if sec >= 0.001))
+
+
 def attention_seconds(config: Any, lengths: list[int], dtype: torch.dtype) -> dict[str, float]:
     """Forward and backward of one decoder layer's attention over one packed row of ``lengths`` (the
     model's heads, in ``dtype``): under the full block-diagonal mask plain ``sdpa`` builds (with the
@@ -202,6 +287,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed training passes per setting")
     parser.add_argument("--settings", nargs="+", type=int, help="rows of the table to run (0-based)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--profile", action="store_true", help="where one training pass of the last row's setting goes"
+    )
     parser.add_argument("--quick", action="store_true", help="the tiny model, 4 rows, 1 step, 3 settings")
     args = parser.parse_args(argv)
     if args.quick:
@@ -244,6 +332,8 @@ def main() -> None:
         f"\nattention alone, forward and backward over the packed row (x {layers} layers): full mask "
         f"{full * layers:.2f} s, sequence by sequence {each * layers:.2f} s ({full / each:.2f}x)"
     )
+    if args.profile:
+        print_profile(profile_pass(source, chosen[-1], pairs), peak, chosen[-1].name)
 
 
 if __name__ == "__main__":

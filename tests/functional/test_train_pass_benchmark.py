@@ -4,6 +4,7 @@ checks the compiled path) run on the tiny model, the table and the attention lin
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -24,11 +25,50 @@ def test_arguments_and_settings() -> None:
     assert after[-1].compile and after[-1].fused and not after[-1].checkpointing
 
 
+def test_profile_groups_sum_each_operators_own_time_by_kind() -> None:
+    from benchmarks.train_pass import profile_groups
+
+    def event(key: str, micros: float, flops: float = 0.0) -> SimpleNamespace:
+        return SimpleNamespace(key=key, self_cpu_time_total=micros, flops=flops)
+
+    groups = profile_groups(
+        [
+            event("aten::mm", 2e6, flops=4e9),
+            event("aten::addmm", 1e6, flops=2e9),
+            event("aten::linear", 0.1e6),  # a wrapper: its own time is not a matmul's
+            event("aten::_scaled_dot_product_flash_attention_for_cpu_backward", 0.5e6),
+            event("Torch-Compiled Region: 0/0", 0.7e6),
+            event("CompiledFunctionBackward", 0.3e6),
+            event("Optimizer.step#AdamW.step", 0.05e6),
+            event("aten::_fused_adamw_", 0.2e6),
+            event("aten::_foreach_mul_", 0.1e6),
+            event("aten::copy_", 0.4e6),
+            event("aten::_to_copy", 0.1e6),
+            event("aten::mul", 0.6e6),
+        ]
+    )
+    by_name = {g.name: g for g in groups}
+    assert by_name["matmuls"].seconds == pytest.approx(3.0) and by_name["matmuls"].flops == 6e9
+    assert by_name["attention (sdpa)"].seconds == pytest.approx(0.5)
+    assert by_name["compiled regions' own kernels"].seconds == pytest.approx(1.0)
+    assert by_name["optimizer"].seconds == pytest.approx(0.35)
+    assert by_name["copies and casts"].seconds == pytest.approx(0.5)
+    rest = groups[-1]
+    assert rest.operators == {"aten::linear": pytest.approx(0.1), "aten::mul": pytest.approx(0.6)}
+    assert sum(g.seconds for g in groups) == pytest.approx(6.05)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_run_prints_each_setting_against_the_floor() -> None:
-    out = run_benchmark(SCRIPT, "--quick", "--settings", "0", "2")
-    rows = markdown_rows(out, "setting")
+    out = run_benchmark(SCRIPT, "--quick", "--settings", "0", "2", "--profile")
+    profile = out[out.index("where one training pass goes (+ fused AdamW") :]
+    parts = markdown_rows(profile, "part")
+    assert list(parts)[:2] == ["matmuls", "attention (sdpa)"] and len(parts) == 6
+    assert float(parts["matmuls"][2]) > 0 and float(parts["attention (sdpa)"][2]) > 0
+    assert float(parts["optimizer"][2]) > 0  # the fused AdamW kernel
+    assert sum(float(cells[3].strip().rstrip("%")) for cells in parts.values()) == pytest.approx(100, abs=3)
+    rows = markdown_rows(out[: out.index("where one training pass goes")], "setting")
     assert set(rows) == {"before", "+ fused AdamW"}
     for cells in rows.values():
         assert cells[2].strip() == "sdpa_packed"  # packing switched the tiny Llama to per-sequence attention
