@@ -313,8 +313,9 @@ def trl_trainer(
     )
 
 
-def run_trl(case: Case, cfg: MasterConfig, run_dir: Path, *, bf16: bool) -> StepTimes:
-    """TRL's ``GRPOTrainer`` on the same prompts (rendered by rlfleet), model, reward and settings."""
+def run_trl(case: Case, cfg: MasterConfig, run_dir: Path, *, bf16: bool, compile: bool = False) -> StepTimes:
+    """TRL's ``GRPOTrainer`` on the same prompts (rendered by rlfleet), model, reward and settings;
+    ``compile``: transformers' ``torch_compile=True`` (the model compiled whole, inductor)."""
     from transformers import TrainerCallback
     from trl.extras import profiling
 
@@ -331,7 +332,8 @@ def run_trl(case: Case, cfg: MasterConfig, run_dir: Path, *, bf16: bool) -> Step
 
     profiling.ProfilingContext._log_metrics = record  # TRL logs its profiling only to wandb/mlflow/trackio
 
-    times = StepTimes("TRL bf16" if bf16 else "TRL float32", "bfloat16" if bf16 else "float32")
+    name = ("TRL bf16" if bf16 else "TRL float32") + (", torch_compile" if compile else "")
+    times = StepTimes(name, "bfloat16" if bf16 else "float32")
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
@@ -367,6 +369,7 @@ def run_trl(case: Case, cfg: MasterConfig, run_dir: Path, *, bf16: bool) -> Step
         seed=case.seed,
         bf16=bf16,
         callbacks=[Timer()],
+        **({"torch_compile": True} if compile else {}),
     )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
@@ -454,6 +457,7 @@ def table(results: list[StepTimes], floors: dict[str, float]) -> str:
     for label, ours_name, theirs_name in (
         ("like for like (float32)", "rlfleet float32", "TRL float32"),
         ("best against best", "rlfleet best", "TRL bf16"),
+        ("against TRL compiled", "rlfleet best", "TRL bf16, torch_compile"),
     ):
         if ours_name in by_name and theirs_name in by_name:
             trl, ours = by_name[theirs_name], by_name[ours_name]
@@ -501,6 +505,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         f"({' '.join(BEFORE)})",
     )
     parser.add_argument("--skip-trl", action="store_true", help="rlfleet only (TRL not installed)")
+    parser.add_argument(
+        "--trl-compile",
+        action="store_true",
+        help="also run 'TRL bf16, torch_compile' (GRPOConfig(torch_compile=True): the model compiled whole)",
+    )
     parser.add_argument(
         "--separate-prev-pass",
         action="store_true",
@@ -556,6 +565,8 @@ def main() -> None:
         if not args.best_only:
             results.append(run_trl(case, cfg, work / "trl", bf16=False))
         results.append(run_trl(case, cfg, work / "trl-bf16", bf16=True))
+        if args.trl_compile:
+            results.append(run_trl(case, cfg, work / "trl-bf16-compile", bf16=True, compile=True))
     model = "tiny model" if args.quick else MODELS[args.model][3]
     params = sum(p.numel() for p in load_model(str(case.model_dir), "float32").parameters())
     peaks = {"float32": matmul_peak_flops(), "bfloat16": matmul_peak_flops(dtype=torch.bfloat16)}
