@@ -20,6 +20,8 @@ memory after each step (``memory/trainer_rss_gib`` and ``memory/trainer_peak_rss
     python benchmarks/memory.py                          # the grid (about 20 minutes on 2 cores)
     python benchmarks/memory.py --tokens 1024 4096 --modes plain ckpt+chunk
     python benchmarks/memory.py --recipe sft-gemma3-270m-gsm8k-cpu --precision float32 --tokens 4096
+    python benchmarks/memory.py --recipe sft-gemma3-270m-gsm8k-cpu --tokens 2048 4096 --modes ckpt+chunk \
+        --passes train --compile        # Gemma 3 on the fast path: bf16, compiled passes
     python benchmarks/memory.py --steps 20               # resident memory per step of a real run
     python benchmarks/memory.py --growth 25              # per training pass, exact against gridded widths
 """
@@ -71,9 +73,9 @@ def estimate(
     return plan.passes[pass_] | {"_available": float(plan.available or 0)}
 
 
-def _worker(mode: str, precision: str, recipe: str = RECIPE):
+def _worker(mode: str, precision: str, recipe: str = RECIPE, compile: bool = False):
     """The recipe's model (SmolLM2 by default) in a policy worker and the GRPO loss, as the SmolLM2 recipes
-    train it (KL 0)."""
+    train it (KL 0); ``compile``: ``policy.torch_compile`` (the compiled layers and logprobs)."""
     from rlfleet.config import load_recipe, resolve_recipe_path
     from rlfleet.models.loading import ModelSource
     from rlfleet.policy.loss_functions import ClippedPGLossFn
@@ -82,7 +84,13 @@ def _worker(mode: str, precision: str, recipe: str = RECIPE):
     cfg = load_recipe(resolve_recipe_path(recipe), overrides(mode, "train", 256, "bfloat16"))
     settings = OptimizerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, max_grad_norm=1.0)
     source = ModelSource(cfg.policy.model_name, precision, cfg.policy.gguf_file)
-    worker = PolicyWorker(source, settings, keep_reference=False, activation_checkpointing=MODES[mode][0])
+    worker = PolicyWorker(
+        source,
+        settings,
+        keep_reference=False,
+        activation_checkpointing=MODES[mode][0],
+        torch_compile=compile,
+    )
     loss = ClippedPGLossFn(
         eps_low=0.2, eps_high=0.2, dual_clip_c=None, kl_penalty=0.0, kl_input_clamp=20.0,
         kl_output_clamp=10.0, token_level=True, importance_sampling_correction=False,
@@ -112,7 +120,9 @@ def child(spec: dict) -> dict:
     from rlfleet.memory.probes import release_free_memory, take_peak_resident_bytes
     from rlfleet.policy.microbatch import MicroBatching
 
-    worker, loss = _worker(spec["mode"], spec["precision"], spec.get("recipe", RECIPE))
+    worker, loss = _worker(
+        spec["mode"], spec["precision"], spec.get("recipe", RECIPE), spec.get("compile", False)
+    )
     chunk = MODES[spec["mode"]][1]
     gen = torch.Generator().manual_seed(0)
 
@@ -198,7 +208,8 @@ def measure(spec: dict, allocator: str) -> dict:
 
 def grid(args: argparse.Namespace) -> None:
     gib = 2**30
-    print(f"{args.recipe}'s model, {args.precision} compute, packed rows of {sum(ROW)} tokens,")
+    compiled = ", compiled passes" if args.compile else ""
+    print(f"{args.recipe}'s model, {args.precision} compute{compiled}, packed rows of {sum(ROW)} tokens,")
     print(f"{args.allocator} malloc; peak resident memory in a fresh process against rlfleet plan's estimate")
     print("| pass | tokens | mode | estimated GiB | measured GiB | estimate / measured | s per 1k tokens |")
     print("|---|---|---|---|---|---|---|")
@@ -214,7 +225,7 @@ def grid(args: argparse.Namespace) -> None:
                     print(f"{row} not run (over 75% of {available / gib:.1f} GiB available) | | |")
                     continue
                 spec = {"mode": mode, "pass": pass_, "tokens": tokens, "precision": args.precision}
-                spec["recipe"] = args.recipe
+                spec["recipe"], spec["compile"] = args.recipe, args.compile
                 got = measure(spec, args.allocator)
                 if "error" not in got and got["allocator"] != args.allocator:
                     got = {"error": f"the child ran on {got['allocator']}, not {args.allocator}"}
@@ -305,6 +316,11 @@ def main() -> None:
         default="jemalloc",
         choices=["jemalloc", "glibc"],
         help="the children's malloc (jemalloc, as the rlfleet command runs where one is installed)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="the grid's passes with policy.torch_compile (the recipes' fast path; the warm-up compiles)",
     )
     parser.add_argument("--steps", type=int, help="train the SmolLM2 arithmetic recipe N steps instead")
     parser.add_argument(

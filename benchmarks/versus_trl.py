@@ -98,6 +98,11 @@ class Case:
     seed: int = 42
 
 
+# a step's phases; refit: the trained weights into the generation engine (rlfleet's vLLM; TRL generates on
+# the trained module, 0)
+PHASES = ("generation", "reward", "logprobs", "training", "refit")
+
+
 @dataclass
 class StepTimes:
     """Per-step seconds, phases and token counts of one framework."""
@@ -115,7 +120,7 @@ class StepTimes:
 
     def summary(self) -> dict[str, float]:
         out = {"s/step": self.mean(self.seconds), "best s/step": min(self.seconds[1:] or self.seconds)}
-        for phase in ("generation", "reward", "logprobs", "training"):
+        for phase in PHASES:
             if all(phase in p for p in self.phases):
                 out[phase] = self.mean([p[phase] for p in self.phases])
         out["tokens/s"] = self.mean([t / s for t, s in zip(self.tokens, self.seconds, strict=True)])
@@ -217,9 +222,7 @@ def run_rlfleet(
         if "timing/total" not in r:
             continue
         times.seconds.append(r["timing/total"])
-        times.phases.append(
-            {p: r.get(f"timing/{p}", 0.0) for p in ("generation", "reward", "logprobs", "training")}
-        )
+        times.phases.append({p: r.get(f"timing/{p}", 0.0) for p in PHASES})
         times.tokens.append(r["train/num_tokens"])
         times.response_tokens.append(r["train/mean_response_length"] * case.prompts * case.samples)
     return times
@@ -352,6 +355,7 @@ def run_trl(case: Case, cfg: MasterConfig, run_dir: Path, *, bf16: bool, compile
                     "reward": reward,
                     "logprobs": prepare - generation - reward,  # reference logprobs, tokenising, advantages
                     "training": seconds - prepare,
+                    "refit": 0.0,  # TRL's generate runs on the trained module itself
                 }
             )
 
@@ -442,6 +446,7 @@ def table(results: list[StepTimes], floors: dict[str, float]) -> str:
         "reward",
         "logprobs",
         "training",
+        "refit",
         "tokens/s",
         "response tokens/s",
         "response tokens/step",

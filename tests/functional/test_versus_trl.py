@@ -29,6 +29,14 @@ def test_quick_comparison_prints_both_frameworks_and_the_speed_up() -> None:
     assert "speed-up rlfleet / TRL, like for like (float32):" in done.stdout
     assert "speed-up rlfleet / TRL, best against best:" in done.stdout
     assert "FLOP floor s" in done.stdout
+    header = next(line for line in done.stdout.splitlines() if line.startswith("| | s/step"))
+    assert [c.strip() for c in header.split("|")[4:9]] == [
+        "generation",
+        "reward",
+        "logprobs",
+        "training",
+        "refit",
+    ]
     cells = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ")]
     by_phase = {(c[0].strip(), c[1].strip()): c for c in cells if len(c) == 7}
     for name in ("rlfleet best", "TRL bf16"):
@@ -45,6 +53,7 @@ def test_quick_is_the_smallest_case_and_the_defaults_are_the_benchmarks() -> Non
     full = parse_args(["--steps", "6", "--override", "a=1", "--override", "b=2"])
     assert (full.prompts, full.samples, full.max_new_tokens, full.steps) == (4, 4, 64, 6)
     assert full.override == ["a=1", "b=2"] and not full.quick and not full.skip_trl
+    assert not full.trl_compile and parse_args(["--trl-compile"]).trl_compile
     assert parse_args([]).steps == 4
 
 
