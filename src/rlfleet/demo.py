@@ -107,12 +107,20 @@ def run_demo(
     sft_curve = val_accuracy_curve(Path(sft_cfg.logger.log_dir))
     start = f"{sft_curve[0][1]:.1%} before SFT -> " if sft_cfg.sft.val_at_start and sft_curve else ""
     log_dir = Path(grpo_cfg.logger.log_dir)
+    from rlfleet.logging.plot import plot_stages  # matplotlib: loaded once the run is over
+
+    curve_png = plot_stages(
+        [("SFT", Path(sft_cfg.logger.log_dir)), ("GRPO", log_dir)],
+        out / "plot.png",
+        f"{base if task in PRETRAINED_DEMO_TASKS else 'tiny model'}: SFT, then GRPO ({task})",
+    )
     print(
         "\n== done\n"
         f"validation accuracy (greedy, {grpo_cfg.grpo.max_val_samples} held-out problems): {start}"
         f"{before:.1%} after SFT -> {after:.1%} after GRPO ({(after - before) * 100:+.1f} points)\n"
         f"metrics:     {log_dir / 'metrics.jsonl'}\n"
         f"plot:        {log_dir / 'plot.png'}\n"
+        f"curve:       {curve_png} (validation accuracy through SFT and GRPO)\n"
         f"samples:     {log_dir / 'samples.jsonl'}\n"
         f"checkpoints: {grpo_cfg.checkpointing.checkpoint_dir}\n"
         f"TensorBoard: tensorboard --logdir {log_dir}",

@@ -57,6 +57,8 @@ def test_default_pipeline_from_the_command_line_raises_reward(tmp_path: Path) ->
     assert [float(x) / 100 for x in match.groups()] == pytest.approx([before, after], abs=1e-3)
     assert f"metrics:     {tmp_path / 'grpo' / 'logs' / 'metrics.jsonl'}" in out
     assert f"plot:        {tmp_path / 'grpo' / 'logs' / 'plot.png'}" in out
+    assert f"curve:       {tmp_path / 'plot.png'} (validation accuracy through SFT and GRPO)" in out
+    assert (tmp_path / "plot.png").stat().st_size > 0 and (tmp_path / "sft" / "logs" / "plot.png").is_file()
 
     # The same command again: both stages are complete, nothing is trained, the numbers are the same.
     again = run_cli_process(argv)

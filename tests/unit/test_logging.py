@@ -146,6 +146,45 @@ def test_plot_run_custom_out_single_point_and_empty(tmp_path: Path) -> None:
     assert plot_run(tmp_path / "empty").read_bytes().startswith(PNG_MAGIC)
 
 
+def test_a_run_without_rewards_plots_its_train_loss(tmp_path: Path) -> None:
+    """SFT (and DPO, reward models) log a loss and no reward: the first panel is the loss, not "no data"."""
+    from rlfleet.logging.plot import run_figure
+
+    sft = [{"step": s, "train/loss": 1.0 / s} for s in range(1, 6)] + [{"step": 5, "val/accuracy": 0.3}]
+    top, val = run_figure(sft).axes
+    assert (
+        top.get_title() == "train loss" and len(top.lines) == 2 and val.get_title() == "validation accuracy"
+    )
+    grpo = [{"step": s, "train/reward": 0.1 * s, "train/loss": 0.5, "train/kl": 0.01} for s in range(1, 4)]
+    titles = [ax.get_title() for ax in run_figure(grpo).axes]
+    assert titles == ["train reward", "validation accuracy", "train KL"]
+    assert run_figure([{"step": 1, "x": 1.0}]).axes[0].get_title() == "train reward"  # no data
+
+
+def test_stage_curves_put_the_stages_on_one_step_axis(tmp_path: Path) -> None:
+    from rlfleet.logging.plot import plot_stages, stage_curves
+
+    with MetricsLogger(tmp_path / "sft", tensorboard_enabled=False) as logger:
+        for step, acc in ((0, 0.01), (60, 0.03), (120, 0.05)):
+            logger.log(step, {"val/accuracy": acc, "train/loss": 1.0} if step else {"val/accuracy": acc})
+    with MetricsLogger(tmp_path / "grpo", tensorboard_enabled=False) as logger:
+        logger.log(0, {"val/accuracy": 0.05})
+        for step in range(1, 5):
+            logger.log(step, {"train/reward": 0.1, **({"val/accuracy": 0.08} if step == 4 else {})})
+    stages = [("SFT", tmp_path / "sft"), ("GRPO", tmp_path / "grpo")]
+    (sft, *sft_curve, sft_start), (grpo, *grpo_curve, grpo_start) = stage_curves(stages)
+    assert (sft, sft_start, grpo, grpo_start) == ("SFT", 0.0, "GRPO", 120.0)
+    np.testing.assert_array_equal(sft_curve[0], [0, 60, 120])
+    np.testing.assert_array_equal(grpo_curve[0], [120, 124])  # GRPO's step 0 is SFT's last step
+    np.testing.assert_array_equal(grpo_curve[1], [0.05, 0.08])
+    out = plot_stages(stages, tmp_path / "curve.png", "title")
+    assert out.read_bytes().startswith(PNG_MAGIC)
+    (tmp_path / "none").mkdir()
+    assert (
+        plot_stages([("SFT", tmp_path / "none")], tmp_path / "empty.png").read_bytes().startswith(PNG_MAGIC)
+    )
+
+
 def test_moving_average() -> None:
     np.testing.assert_allclose(moving_average(np.array([1.0, 3.0, 5.0, 7.0]), 2), [1.0, 2.0, 4.0, 6.0])
     assert moving_average(np.array([]), 3).size == 0

@@ -1,4 +1,5 @@
-"""Plot a run's ``metrics.jsonl``: train reward (with moving average), validation accuracy and KL.
+"""Plot a run's ``metrics.jsonl``: train reward (with moving average; the train loss for a run without
+rewards, such as SFT), validation accuracy and KL; and a pipeline's validation accuracy across its stages.
 
 Uses :class:`matplotlib.figure.Figure` directly (rendered by the Agg canvas), so it never touches pyplot's
 global state or the process-wide backend selection.
@@ -7,6 +8,7 @@ global state or the process-wide backend selection.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from matplotlib.ticker import MaxNLocator
 from rlfleet.logging.metrics import read_metrics
 
 REWARD_KEY = "train/reward"
+LOSS_KEY = "train/loss"
 VAL_ACC_KEY = "val/accuracy"
 KL_KEY = "train/kl"
 
@@ -63,19 +66,23 @@ def _no_data(ax: Axes, title: str) -> None:
     ax.set_yticks([])
 
 
-def _plot_reward(ax: Axes, records: list[dict[str, Any]]) -> None:
-    steps, values = _finite(*_series(records, REWARD_KEY))
-    title = "train reward"
+def _plot_train(ax: Axes, records: list[dict[str, Any]]) -> None:
+    """The train reward per step with a moving average; for a run that logs no reward (SFT, DPO, a reward
+    model), its train loss."""
+    rewards = _finite(*_series(records, REWARD_KEY))
+    key, name = (REWARD_KEY, "reward") if rewards[0].size else (LOSS_KEY, "loss")
+    steps, values = rewards if key == REWARD_KEY else _finite(*_series(records, key))
+    title = f"train {name}"
     if steps.size == 0:
-        _no_data(ax, title)
+        _no_data(ax, "train reward")
         return
     window = min(20, max(2, steps.size // 5), steps.size)
     marker = "." if steps.size < 50 else None
-    ax.plot(steps, values, color="tab:blue", alpha=0.35, marker=marker, label="reward")
+    ax.plot(steps, values, color="tab:blue", alpha=0.35, marker=marker, label=name)
     smoothed = moving_average(values, window)
     ax.plot(steps, smoothed, color="tab:blue", linewidth=2, label=f"moving avg ({window})")
     ax.set_title(title)
-    ax.set_ylabel("reward")
+    ax.set_ylabel(name)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize="small")
 
@@ -107,8 +114,9 @@ def _plot_kl(ax: Axes, records: list[dict[str, Any]]) -> None:
 def plot_run(log_dir: Path, out: Path | None = None) -> Path:
     """Renders ``<log_dir>/metrics.jsonl`` to a PNG and returns its path.
 
-    Panels: train reward per step with a moving average, validation accuracy per step (markers) and, when
-    ``train/kl`` was logged, a smaller KL panel. A panel whose key is missing (or all null) says "no data".
+    Panels: train reward per step with a moving average (the train loss where no reward was logged),
+    validation accuracy per step (markers) and, when ``train/kl`` was logged, a smaller KL panel. A panel
+    whose key is missing (or all null) says "no data".
 
     Args:
         log_dir: Run directory holding ``metrics.jsonl``.
@@ -119,13 +127,20 @@ def plot_run(log_dir: Path, out: Path | None = None) -> Path:
     """
     log_dir = Path(log_dir)
     out = Path(out) if out is not None else log_dir / "plot.png"
-    records = read_metrics(log_dir)
+    fig = run_figure(read_metrics(log_dir))
+    resolved = log_dir.resolve()
+    fig.suptitle(f"run: {resolved.parent.name}/{resolved.name}")
+    return _save(fig, out)
+
+
+def run_figure(records: list[dict[str, Any]]) -> Figure:
+    """The panels of ``plot_run`` for these metrics records."""
     has_kl = any(KL_KEY in record for record in records)
     ratios = [3, 3, 1.5] if has_kl else [3, 3]
     fig = Figure(figsize=(9, sum(ratios) + 1.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(ratios), 1, sharex=False, gridspec_kw={"height_ratios": ratios})
-    _plot_reward(axes[0], records)
+    _plot_train(axes[0], records)
     _plot_val(axes[1], records)
     if has_kl:
         _plot_kl(axes[2], records)
@@ -138,8 +153,53 @@ def plot_run(log_dir: Path, out: Path | None = None) -> Path:
                 ax.set_xlim(lo - pad, hi + pad)
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[-1].set_xlabel("step")
-    resolved = log_dir.resolve()
-    fig.suptitle(f"run: {resolved.parent.name}/{resolved.name}")
+    return fig
+
+
+def _save(fig: Figure, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=100)
     return out
+
+
+def stage_curves(
+    stages: Sequence[tuple[str, Path]],
+) -> list[tuple[str, np.ndarray, np.ndarray, float]]:
+    """Each stage's validation accuracy on one step axis: ``(name, steps, accuracies, first step)``, a
+    stage's steps counted on from the last step of the stage before it (a stage's step 0, its validation at
+    start, lands on the previous stage's last step)."""
+    curves, offset = [], 0.0
+    for name, log_dir in stages:
+        records = read_metrics(Path(log_dir))
+        steps, values = _finite(*_series(records, VAL_ACC_KEY))
+        curves.append((name, steps + offset, values, offset))
+        all_steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
+        offset += max(all_steps, default=0)
+    return curves
+
+
+def plot_stages(stages: Sequence[tuple[str, Path]], out: Path, title: str = "") -> Path:
+    """One PNG of a pipeline's validation accuracy across its stages (``stages``: name and log
+    directory, in order; e.g. SFT then GRPO), each stage in its own colour, a dashed line where the next
+    begins; returns ``out``."""
+    fig = Figure(figsize=(9, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    curves = stage_curves(stages)
+    colours = ["tab:purple", "tab:green", "tab:orange", "tab:blue"]
+    for i, (name, steps, values, start) in enumerate(curves):
+        if i:
+            ax.axvline(start, color="gray", linestyle="--")
+        if steps.size:
+            ax.plot(steps, values, marker="o", color=colours[i % len(colours)], label=name)
+    if not ax.lines:
+        _no_data(ax, "validation accuracy")
+    else:
+        ax.set_title("validation accuracy")
+        ax.set_ylabel("accuracy")
+        ax.set_xlabel("step (the stages one after the other)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    if title:
+        fig.suptitle(title)
+    return _save(fig, Path(out))
