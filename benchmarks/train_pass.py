@@ -100,27 +100,36 @@ class Row:
 def measure(source: ModelSource, setting: Setting, pairs: list[tuple[int, int]], steps: int) -> Row:
     """Builds the worker for ``setting`` and times a logprob pass and ``steps`` training passes (after one
     warm-up pass, whose time and compile seconds are reported apart)."""
-    settings = dataclasses.replace(SETTINGS, fused=setting.fused, foreach=None if setting.fused else True)
     aware = packed_attention.WINDOW_AWARE_MODEL_TYPES
     if not setting.window_packing:  # the types use_packed_sdpa switched before it kept windows
         packed_attention.WINDOW_AWARE_MODEL_TYPES = ()
     try:
-        worker = PolicyWorker(
-            source,
-            settings,
-            keep_reference=False,
-            activation_checkpointing=setting.checkpointing,
-            torch_compile=setting.compile,
-        )
-        return _timed(worker, pairs, steps, setting)
+        return _timed(build_worker(source, setting), pairs, steps, setting)
     finally:
         packed_attention.WINDOW_AWARE_MODEL_TYPES = aware
 
 
-def _timed(worker: PolicyWorker, pairs: list[tuple[int, int]], steps: int, setting: Setting) -> Row:
+def build_worker(source: ModelSource, setting: Setting) -> PolicyWorker:
+    """A policy worker (no reference) with ``setting``'s optimizer, checkpointing and compilation."""
+    settings = dataclasses.replace(SETTINGS, fused=setting.fused, foreach=None if setting.fused else True)
+    return PolicyWorker(
+        source,
+        settings,
+        keep_reference=False,
+        activation_checkpointing=setting.checkpointing,
+        torch_compile=setting.compile,
+    )
+
+
+def packed_batch(worker: PolicyWorker, pairs: list[tuple[int, int]]) -> tuple[Any, MicroBatching]:
+    """The benchmark's batch (``pairs`` of prompt and response lengths) and its one packed micro-batch."""
     batch = make_batch(worker, pairs, seed=0)
     tokens = int(batch.attention_mask.sum())
-    packed = MicroBatching(len(batch), tokens + 32 * len(batch), pack=True, logprob_chunk=512)
+    return batch, MicroBatching(len(batch), tokens + 32 * len(batch), pack=True, logprob_chunk=512)
+
+
+def _timed(worker: PolicyWorker, pairs: list[tuple[int, int]], steps: int, setting: Setting) -> Row:
+    batch, packed = packed_batch(worker, pairs)
     compiled_before = compile_seconds()
     lp = worker.logprobs(batch, packed)  # the first logprob pass compiles the no-grad graphs
     batch = batch.with_(ref_logprobs=lp)
@@ -180,17 +189,8 @@ def profile_groups(events: Any) -> list[ProfileGroup]:
 
 def profile_pass(source: ModelSource, setting: Setting, pairs: list[tuple[int, int]]) -> list[ProfileGroup]:
     """One training pass of ``setting`` under ``torch.profiler`` (after an untimed one)."""
-    settings = dataclasses.replace(SETTINGS, fused=setting.fused, foreach=None if setting.fused else True)
-    worker = PolicyWorker(
-        source,
-        settings,
-        keep_reference=False,
-        activation_checkpointing=setting.checkpointing,
-        torch_compile=setting.compile,
-    )
-    batch = make_batch(worker, pairs, seed=0)
-    tokens = int(batch.attention_mask.sum())
-    packed = MicroBatching(len(batch), tokens + 32 * len(batch), pack=True, logprob_chunk=512)
+    worker = build_worker(source, setting)
+    batch, packed = packed_batch(worker, pairs)
     batch = batch.with_(ref_logprobs=worker.logprobs(batch, packed))
     worker.train(batch, LOSS, global_batch_size=len(batch), micro_batching=packed)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
