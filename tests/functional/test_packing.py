@@ -363,3 +363,39 @@ def test_packed_sliding_window_attention_equals_the_models_own_masks(model_type:
         if getattr(layer.self_attn, "sliding_window", None) is not None:
             layer.self_attn.sliding_window = 64
     assert not torch.allclose(forward_logprobs(model, batch, packed, 1.0)[mask], want[mask])
+
+
+@pytest.mark.parametrize("model_type", sorted(WINDOWED_MODELS))
+def test_no_quadratic_mask_is_built_for_one_row_and_a_lone_sequence_keeps_its_window(
+    model_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """For one unpadded row without a cache the model builds no ``L x L`` mask (``packed_sdpa_mask``; a
+    packed row's is what transformers would build per mask type and forward: 1.4 GiB for Gemma 3 at 27,648
+    tokens). A lone sequence longer than the window then gets its banded mask from the attention itself:
+    its logits equal the model's own under ``sdpa``; a padded batch still gets transformers' masks."""
+    import transformers
+
+    from rlfleet.policy import packed_attention
+
+    model_class, config_class, extra = WINDOWED_MODELS[model_type]
+    config = getattr(transformers, config_class)(**_WINDOWED, **extra, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).double().eval()
+    ids = torch.randint(3, 63, (1, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        packed_attention.use_packed_sdpa(model)
+        built: list[object] = []
+        real = packed_attention.sdpa_mask
+        monkeypatch.setattr(packed_attention, "sdpa_mask", lambda *a, **k: built.append(k) or real(*a, **k))
+        got = model(input_ids=ids).logits  # one sequence of 13 tokens, a window of 4
+        assert built == []
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        positions = torch.tensor([[*range(5), *range(8)]])  # a packed row: 5 + 8 tokens
+        model(input_ids=ids, position_ids=positions)
+        assert built == []
+        padded = torch.cat([ids, ids])
+        mask = torch.ones_like(padded)
+        mask[1, :3] = 0
+        model(input_ids=padded, attention_mask=mask)
+        assert built, "a padded batch needs transformers' masks"

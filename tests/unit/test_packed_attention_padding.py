@@ -57,3 +57,22 @@ def test_every_sequence_reaches_the_kernel_at_a_rounded_length(monkeypatch):
     sdpa_packed_attention(_Module(), q, k, v, None, position_ids=positions)
     assert seen == [32, 64, 96]
     assert all(n % SEQUENCE_ROUND == 0 for n in seen)
+
+
+def test_packed_sdpa_mask_builds_nothing_for_one_unpadded_row_only():
+    """One row, no padding, queries and keys the same positions: None (the attention masks each packed
+    sequence itself); a batch, a padding mask or a decoding step with a cache: transformers' mask."""
+    from transformers.masking_utils import causal_mask_function
+
+    from rlfleet.policy.packed_attention import packed_sdpa_mask
+
+    one = {"batch_size": 1, "q_length": 6, "kv_length": 6, "mask_function": causal_mask_function}
+    assert packed_sdpa_mask(**one, allow_is_causal_skip=False) is None
+    two = packed_sdpa_mask(**{**one, "batch_size": 2}, allow_is_causal_skip=False)
+    assert two is not None and two.shape == (2, 1, 6, 6)
+    assert torch.equal(two[1, 0], torch.ones(6, 6, dtype=torch.bool).tril())
+    padding = torch.tensor([[0, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    padded = packed_sdpa_mask(**one, attention_mask=padding, allow_is_causal_skip=False)
+    assert padded is not None and not padded[0, 0, :, 0].any()
+    step = packed_sdpa_mask(**{**one, "q_length": 1, "kv_length": 7}, q_offset=6, allow_is_causal_skip=False)
+    assert step is not None and step.shape == (1, 1, 1, 7) and bool(step.all())

@@ -11,10 +11,17 @@ Sliding-window attention (Gemma 3's local layers, Mistral, Qwen2/3 with a window
 attention modules of those families pass ``sliding_window`` to the attention function, and a sequence longer
 than the window runs under a banded causal mask of its own length (``window_mask``); shorter ones, the
 common case on a CPU, stay plain causal.
+
+Nor does the model build the ``L x L`` mask it would hand to the attention: for one unpadded row without a
+cache (``packed_sdpa_mask``) there is none, since a packed row's sequences bring their own masks and a
+single sequence is causal (with its window, if any, built here). transformers builds a packed row's
+block-diagonal boolean mask once per mask type and forward: 1.4 GiB for Gemma 3's two types on a
+27,648-token logprob micro-batch.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,12 +73,17 @@ def sdpa_packed_attention(
 ) -> tuple[torch.Tensor, None]:
     """``sdpa_attention_forward``, sequence by sequence on a packed row; ``[1, L, H, D]``."""
     bounds = sequence_bounds(position_ids, query.shape[2]) if query.shape[2] == key.shape[2] else None
+    window = kwargs.get("sliding_window")
     if bounds is None:
+        length = query.shape[2]
+        if attention_mask is None and window is not None and length == key.shape[2] and length > window:
+            # one unpadded sequence, whose mask packed_sdpa_mask left to this function
+            attention_mask, kwargs["is_causal"] = window_mask(length, window, query.device), False
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, position_ids=position_ids, **kwargs
         )
     kwargs.pop("is_causal", None)
-    window = kwargs.pop("sliding_window", None)
+    kwargs.pop("sliding_window", None)
     parts = []
     for a, b in bounds:
         width = round_up(b - a, SEQUENCE_ROUND)
@@ -93,8 +105,24 @@ def window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
     return ((j <= i) & (j > i - window))[None, None]
 
 
+_SDPA_MASK_ARGS = inspect.signature(sdpa_mask)
+
+
+def packed_sdpa_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' ``sdpa_mask``, except for one unpadded row without a cache (batch 1, no padding mask,
+    queries and keys the same positions from 0), where it is None: ``sdpa_packed_attention`` masks each
+    packed sequence itself, and a single sequence is causal, its sliding window applied there."""
+    bound = _SDPA_MASK_ARGS.bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    one_row = a["batch_size"] == 1 and a["attention_mask"] is None
+    if one_row and a["q_offset"] == 0 and a["kv_offset"] == 0 and a["q_length"] == a["kv_length"]:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
 AttentionInterface.register(NAME, sdpa_packed_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # built once per forward, unused on packed rows
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, packed_sdpa_mask)
 
 
 def use_packed_sdpa(model: PreTrainedModel | WithoutAdapters) -> None:
