@@ -136,13 +136,23 @@ class LiveTensorBytes(TorchDispatchMode):  # type: ignore[misc]
         return out
 
 
-SPEC = TinyModelSpec(num_hidden_layers=2, vocab_size=512)  # hidden 128, intermediate 384, 4 heads, 2 kv
+SPECS = {  # the peak of a logprob pass in the MLP, and in the attention (its rotary temporaries)
+    "mlp": TinyModelSpec(num_hidden_layers=2, vocab_size=512),  # hidden 128, intermediate 384, 4/2 heads
+    "attention": TinyModelSpec(
+        num_hidden_layers=2,
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    ),
+}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=list(SPECS))
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     corpus = [f"{a} plus {b} is {a + b}" for a in range(60) for b in range(20)]
-    return create_tiny_model(tmp_path_factory.mktemp("mem") / "model", corpus, SPEC, seed=0)
+    return create_tiny_model(tmp_path_factory.mktemp("mem") / "model", corpus, SPECS[request.param], seed=0)
 
 
 def _arch(c: LlamaConfig) -> ArchitectureConfig:
@@ -159,7 +169,8 @@ def test_estimate_holds_the_measured_peak_of_live_tensors(
     model_dir: Path, precision: str, checkpointing: bool, chunk: int | None
 ) -> None:
     """The estimate's tensor part (what a pass allocates above the weights and AdamW moments) is within
-    25% of the peak of live tensors the pass created, for both passes."""
+    15% of the peak of live tensors the pass created, for both passes (measured: logprob passes within
+    2%, training passes 0.86-1.11x)."""
     worker = PolicyWorker(
         ModelSource(str(model_dir), precision), TEST_OPTIMIZER, keep_reference=False,
         activation_checkpointing=checkpointing,
@@ -197,9 +208,9 @@ def test_estimate_holds_the_measured_peak_of_live_tensors(
         ("logprob", logprob_peak(arch, state, shape, cpu=False)),
     ):
         estimated = sum(v for k, v in parts.items() if k not in held)
-        if name == "logprob":  # logsumexp's float32 temporary is internal to the kernel: not seen here
+        if "logits" in parts and name == "logprob":  # logsumexp's float32 temporary: internal to the kernel
             estimated -= 4 * shape.logit_tokens * arch.vocab_size
-        assert estimated == pytest.approx(measured[name], rel=0.25), (name, parts, measured[name])
+        assert estimated == pytest.approx(measured[name], rel=0.15), (name, parts, measured[name])
 
 
 # ----------------------------------------------------------------------------------- plan and refusal

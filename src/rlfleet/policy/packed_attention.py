@@ -60,6 +60,7 @@ def sequence_bounds(position_ids: torch.Tensor | None, length: int) -> list[tupl
     return list(zip(starts, [*starts[1:], length], strict=True))
 
 
+@torch.compiler.disable
 def sdpa_packed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, L, D]
@@ -71,7 +72,12 @@ def sdpa_packed_attention(
     position_ids: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """``sdpa_attention_forward``, sequence by sequence on a packed row; ``[1, L, H, D]``."""
+    """``sdpa_attention_forward``, sequence by sequence on a packed row; ``[1, L, H, D]``.
+
+    Never compiled (a compiled decoder layer runs it eagerly, between its compiled halves): the loop over a
+    row's sequences depends on the data, so dynamo would trace it anew for each packing, unrolled, with a
+    symbolic length per sequence. A GRPO step of 64 Gemma 3 sequences spent over 15 minutes in that trace
+    before its first training pass; the kernels it calls are SDPA's either way."""
     bounds = sequence_bounds(position_ids, query.shape[2]) if query.shape[2] == key.shape[2] else None
     window = kwargs.get("sliding_window")
     if bounds is None:
