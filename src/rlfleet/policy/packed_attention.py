@@ -60,7 +60,7 @@ def sequence_bounds(position_ids: torch.Tensor | None, length: int) -> list[tupl
     return list(zip(starts, [*starts[1:], length], strict=True))
 
 
-@torch.compiler.disable
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def sdpa_packed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, L, D]

@@ -300,7 +300,7 @@ class PolicyWorker(TrainablePolicy):
         self.optimizer.param_groups.clear()  # the last references to the parameters beside the modules'
         for module in (self.model, self.reference):
             if isinstance(module, torch.nn.Module):
-                module.to("meta")  # parameters and buffers without storage
+                torch.nn.Module.to(module, torch.device("meta"))  # parameters and buffers without storage
         release_free_memory()  # the allocator hands the pages back now, not after the next run's first pass
 
     @torch.no_grad()
