@@ -90,7 +90,7 @@ def run_demo(
         resolve_recipe_path(sft_recipe), [*stage_overrides(out, "sft", base), *sft_overrides]
     )
     print(f"== stage 1/2: SFT warm start of {base}", flush=True, file=terminal())
-    sft_train(sft_cfg)
+    sft_train(sft_cfg, release=True)  # its worker's memory freed before GRPO starts in this process
     sft_model = out / "sft_model"
     if not (sft_model / "config.json").is_file():
         latest = CheckpointManager(Path(sft_cfg.checkpointing.checkpoint_dir), None, True, None).latest()

@@ -94,22 +94,29 @@ def test_a_failed_resume_closes_the_logger_and_the_workers(
     assert not [p for p in multiprocessing.active_children() if p.name == "rlfleet-worker"]
 
 
-def test_a_closed_worker_holds_no_tensors_even_when_it_is_still_referenced(tiny_model_dir: Path) -> None:
+def test_closing_frees_adamw_and_releasing_frees_the_weights_even_when_the_worker_is_still_referenced(
+    tiny_model_dir: Path,
+) -> None:
     """``rlfleet demo`` runs SFT and GRPO in one process, and vLLM's engine start keeps the frames that built
     the SFT stage's worker alive: its weights and AdamW moments (3 GiB for Gemma 3 270M) stayed through the
-    GRPO stage. Closing the worker frees them even though the worker object lives on."""
+    GRPO stage. Closing a worker frees its AdamW state (the weights stay readable after a run); releasing it
+    (``sft_train(..., release=True)``, as the demo runs its SFT stage) frees the weights too, though the
+    worker object lives on."""
     worker = PolicyWorker(ModelSource(str(tiny_model_dir), "float32"), TEST_OPTIMIZER, keep_reference=True)
     batch = worker_batch(worker)
     worker.train(batch, pg_loss(), global_batch_size=len(batch), micro_batching=len(batch))
     weight = next(worker.model.parameters())
-    moments = list(worker.optimizer.state[weight].values())
+    moments = [weakref.ref(t) for t in worker.optimizer.state[weight].values()]
     assert moments, "AdamW has state after a step"
-    tensors = [weakref.ref(t) for t in (weight, *moments, next(worker.reference.parameters()))]
-    del weight, moments
 
     worker.close()
     gc.collect()
+    assert [t() for t in moments] == [None] * len(moments)
+    assert not worker.model.lm_head.weight.is_meta  # still the trained model
 
-    assert [t() for t in tensors] == [None] * len(tensors)
+    weights = [weakref.ref(weight), weakref.ref(next(worker.reference.parameters()))]
+    del weight
+    worker.release()
+    gc.collect()
+    assert [t() for t in weights] == [None, None]
     assert all(p.is_meta for p in worker.model.parameters())
-    assert not worker.optimizer.state

@@ -19,6 +19,7 @@ from rlfleet.generation import GenerationBackend, SamplingParams
 from rlfleet.memory.planner import ensure_fits, resolve_batching
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import NLLLossFn
+from rlfleet.policy.worker import PolicyWorker
 from rlfleet.rollouts.evaluate import evaluate
 from rlfleet.runtime.components import micro_batching
 from rlfleet.runtime.loop import RunContext, finished_run, run_loop, start_run, step_seed
@@ -97,7 +98,15 @@ class SFT:
         )
 
 
-def sft_train(cfg: MasterConfig) -> dict[str, float]:
-    """Runs (or resumes) SFT as configured; returns the last step's metrics."""
+def sft_train(cfg: MasterConfig, *, release: bool = False) -> dict[str, float]:
+    """Runs (or resumes) SFT as configured; returns the last step's metrics. With ``release`` an in-process
+    worker's weights are freed at the end too (``PolicyWorker.release``): another stage runs in this
+    process next (``rlfleet demo``)."""
     done = finished_run(cfg, "sft", cfg.sft.max_num_steps)  # a finished run starts nothing
-    return done if done is not None else SFT(cfg).train()
+    if done is not None:
+        return done
+    trainer = SFT(cfg)
+    metrics = trainer.train()
+    if release and isinstance(trainer.ctx.policy, PolicyWorker):
+        trainer.ctx.policy.release()
+    return metrics

@@ -289,19 +289,25 @@ class PolicyWorker(TrainablePolicy):
         return {}
 
     def close(self) -> None:
-        """Runs ``closers`` (last attached first), then lets go of the weights and the AdamW state (the Ray
-        policy stops its actors instead). A closed worker computes nothing more, and whatever still holds it
-        holds no memory: vLLM's engine start keeps the frames that built it (and so the worker) alive, and in
-        ``rlfleet demo``'s one process Gemma 3 270M's SFT weights and AdamW moments (3 GiB) stayed through the
-        whole GRPO stage."""
+        """Runs ``closers`` (last attached first) and drops AdamW's state: a closed worker trains no more
+        (the Ray policy stops its actors instead). The weights stay for the caller
+        (``trainer.ctx.policy.model`` after a run); ``release`` frees them too."""
         while self.closers:
             self.closers.pop()()
         self.optimizer.state.clear()
+        release_free_memory()  # the allocator hands the pages back now, not after the next run's first pass
+
+    def release(self) -> None:
+        """``close``, and the weights go too: the model and the reference move to the meta device, so that
+        whatever still holds this worker holds no memory. vLLM's engine start keeps the Python frames that
+        built it (and so the worker) alive: in ``rlfleet demo``'s one process, Gemma 3 270M's SFT weights and
+        AdamW moments (3 GiB) stayed through the whole GRPO stage."""
+        self.close()
         self.optimizer.param_groups.clear()  # the last references to the parameters beside the modules'
         for module in (self.model, self.reference):
             if isinstance(module, torch.nn.Module):
                 torch.nn.Module.to(module, torch.device("meta"))  # parameters and buffers without storage
-        release_free_memory()  # the allocator hands the pages back now, not after the next run's first pass
+        release_free_memory()
 
     @torch.no_grad()
     def logprobs(
