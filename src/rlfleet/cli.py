@@ -134,6 +134,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     batching = resolve_batching(cfg, layout, args.algorithm)
     ensure_fits(cfg, layout, batching, args.algorithm)
+    from rlfleet.checkpoint.space import ensure_disk, run_steps
+
+    ensure_disk(cfg, run_steps(cfg, args.algorithm))
     if args.algorithm == "distillation":  # the teacher against the student: tokenizers and configs only
         from rlfleet.runtime.teacher import preflight_teacher
 
@@ -159,6 +162,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_config(cfg, algorithm)
     plan, _ = make_plan(cfg, algorithm)
     print(format_plan(cfg, plan, args.recipe))
+    from rlfleet.checkpoint.space import describe_disk, run_steps
+
+    disk = describe_disk(cfg, run_steps(cfg, algorithm))
+    if disk is not None:
+        print(f"  {'checkpoints':<20}{disk}")
     return 0
 
 

@@ -10,11 +10,18 @@ Layout written under a checkpoint step directory (the NVIDIA NeMo RL layout)::
     policy/optimizer/__0_0.distcp (+ .metadata)   DCP of {"optim": optimizer state dict, ...}
     policy/scheduler.pt                           torch.save of the LR scheduler state dict
     policy/tokenizer/                             tokenizer.save_pretrained(...)
+    policy/tied_weights.json                      {alias: name} of weights tied to another (if any)
+
+A tied weight (a causal LM's ``lm_head.weight``, the embedding itself) is written once, under the name
+``named_parameters()`` gives it first: Gemma 3 270M's 262,144 x 640 embedding is 0.6 GiB of float32 that a
+plain state dict would hold twice. ``tied_weights.json`` records the other name, so
+:func:`load_model_state_dict` returns every key ``model.state_dict()`` has.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import pickle
 import random
@@ -31,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -49,6 +57,7 @@ WEIGHTS_DIR = "weights"
 OPTIMIZER_DIR = "optimizer"
 SCHEDULER_FILE = "scheduler.pt"
 TOKENIZER_DIR = "tokenizer"
+TIED_WEIGHTS_FILE = "tied_weights.json"
 DCP_METADATA_FILE = ".metadata"
 
 _MODEL_KEY = "model"
@@ -139,6 +148,24 @@ def torch_load_safe(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """``{alias: name}`` for each parameter reachable under a second name (tied weights), ``name`` being the
+    one ``named_parameters()`` lists (e.g. ``{"lm_head.weight": "model.embed_tokens.weight"}``)."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def _model_state(model: nn.Module, aliases: dict[str, str]) -> dict[str, Any]:
+    """The model's state dict for DCP, each tied weight once."""
+    return {k: v for k, v in get_model_state_dict(model).items() if k not in aliases}
+
+
 def save_policy(
     dir: Path,
     model: nn.Module,
@@ -159,8 +186,9 @@ def save_policy(
         tokenizer: A Hugging Face tokenizer (``save_pretrained``), or None to skip.
     """
     out = Path(dir) / POLICY_DIR
+    aliases = tied_aliases(model)
     with _dcp_context() as no_dist:
-        dcp.save({_MODEL_KEY: get_model_state_dict(model)}, checkpoint_id=out / WEIGHTS_DIR, no_dist=no_dist)
+        dcp.save({_MODEL_KEY: _model_state(model, aliases)}, checkpoint_id=out / WEIGHTS_DIR, no_dist=no_dist)
         if optimizer is not None:
             stepped = bool(optimizer.state)
             optim_sd = get_optimizer_state_dict(model, optimizer)
@@ -169,6 +197,8 @@ def save_policy(
             if not stepped:  # undo DCP's fake initialisation step so training continues unchanged
                 optimizer.state.clear()
     if is_rank_zero():
+        if aliases:
+            (out / TIED_WEIGHTS_FILE).write_text(json.dumps(aliases, indent=2, sort_keys=True) + "\n")
         if scheduler is not None:
             torch_save_checked(scheduler.state_dict(), out / SCHEDULER_FILE)
         if tokenizer is not None:
@@ -228,9 +258,17 @@ def load_policy(
                 _OPTIM_STEPPED_KEY: torch.tensor(True),
             }
             dcp.load(optim_state, checkpoint_id=src / OPTIMIZER_DIR, no_dist=no_dist)
-        model_state = {_MODEL_KEY: get_model_state_dict(model)}
+        # each tied weight once (a checkpoint that holds it twice, as before tied_weights.json, loads too)
+        aliases = tied_aliases(model)
+        model_state = {_MODEL_KEY: _model_state(model, aliases)}
         dcp.load(model_state, checkpoint_id=src / WEIGHTS_DIR, no_dist=no_dist)
-        set_model_state_dict(model, model_state[_MODEL_KEY])
+        result = set_model_state_dict(model, model_state[_MODEL_KEY], options=StateDictOptions(strict=False))
+        missing = [k for k in result.missing_keys if k not in aliases]
+        if missing or result.unexpected_keys:  # DCP found every key asked for: a bug here, not the file's
+            raise RuntimeError(
+                f"Loading {src / WEIGHTS_DIR} left keys missing {missing[:5]} / unexpected "
+                f"{result.unexpected_keys[:5]}."
+            )
         if optimizer is not None and optim_state is not None:
             set_optimizer_state_dict(model, optimizer, optim_state[_OPTIM_KEY])
             if not bool(optim_state[_OPTIM_STEPPED_KEY]):
@@ -263,7 +301,12 @@ def load_model_state_dict(dir: Path) -> dict[str, torch.Tensor]:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(state, checkpoint_id=weights, no_dist=True)
     prefix = f"{_MODEL_KEY}."
-    return {(k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in state.items()}
+    plain = {(k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in state.items()}
+    tied = weights.parent / TIED_WEIGHTS_FILE
+    if tied.is_file():  # the tied weights' other names, sharing the tensor as in ``model.state_dict()``
+        for alias, name in json.loads(tied.read_text()).items():
+            plain[alias] = plain[name]
+    return plain
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -20,6 +20,7 @@ key in its ``training_info.json``) is accepted with a warning that it cannot be 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -109,6 +110,29 @@ def verify_checkpoint(path: Path) -> bool:
         path,
         MANIFEST_FILE,
     )
+    return False
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it wraps, as DCP's do) is a full disk (``ENOSPC``)."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(err):
+            return True
+        stack += [err.__cause__, err.__context__]
+        failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):  # rank -> (exception, traceback summary)
+            for failure in failures.values():
+                wrapped = failure[0] if isinstance(failure, tuple) and failure else failure
+                if isinstance(wrapped, BaseException):
+                    stack.append(wrapped)
     return False
 
 
@@ -295,22 +319,46 @@ class CheckpointManager:
         if is_rank_zero():
             self._prepare_tmp(tmp)
         barrier()
-        write_policy(tmp)
-        torch_save_checked(capture_rng_state(), tmp / _rng_file_name())
-        barrier()
+        try:
+            write_policy(tmp)
+            torch_save_checked(capture_rng_state(), tmp / _rng_file_name())
+            barrier()
+            if is_rank_zero():
+                self._write_metadata(tmp, step, config_yaml, training_info, dataloader_state)
+                if not is_complete_checkpoint(tmp):
+                    raise RuntimeError(
+                        f"write_policy did not write {POLICY_DIR}/{WEIGHTS_DIR}/{DCP_METADATA_FILE} under "
+                        f"{tmp}; it must save the policy (e.g. with rlfleet.checkpoint.save_policy)."
+                    )
+                write_manifest(tmp)  # last: every rank's files are written (barrier / write_policy returned)
+        except BaseException as exc:
+            if is_rank_zero():  # half a checkpoint is never resumed from: give its space back
+                shutil.rmtree(tmp, ignore_errors=True)
+            if is_disk_full(exc):
+                raise self._disk_full(final, exc) from exc
+            raise
         if is_rank_zero():
-            self._write_metadata(tmp, step, config_yaml, training_info, dataloader_state)
-            if not is_complete_checkpoint(tmp):
-                raise RuntimeError(
-                    f"write_policy did not write {POLICY_DIR}/{WEIGHTS_DIR}/{DCP_METADATA_FILE} under "
-                    f"{tmp}; it must save the policy (e.g. with rlfleet.checkpoint.save_policy)."
-                )
-            write_manifest(tmp)  # last: every rank's files are written (barrier / write_policy returned)
             self._commit(tmp, final)
             logger.info("Saved checkpoint %s", final)
             self._apply_retention(step)
         barrier()
         return final
+
+    def _disk_full(self, final: Path, exc: BaseException) -> CheckpointError:
+        """The error for a save the disk had no room for: what is free, what is kept, how to go on."""
+        kept = self.checkpoints(warn=False)
+        free = shutil.disk_usage(self.checkpoint_dir).free / 2**30
+        where = f"{free:.1f} GiB free under {self.checkpoint_dir}"
+        resume = f"resumes from {kept[-1][1]}" if kept else "starts over (no checkpoint was kept)"
+        return CheckpointError(
+            final,
+            [f"the disk is full ({where}; its partial files were removed): {exc}"],
+            f"checkpoint {final.name} could not be written:",
+            fix=(
+                "fix: free space, or set checkpointing.keep_top_k=1 or checkpointing.checkpoint_dir=<a disk "
+                f"with room>; running the same command again {resume}"
+            ),
+        )
 
     def _prepare_tmp(self, tmp: Path) -> None:
         if tmp.exists():

@@ -7,6 +7,7 @@ Shared by SFT and GRPO. Each loop builds its components (:mod:`rlfleet.runtime.c
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.checkpoint import CheckpointManager
+from rlfleet.checkpoint.space import ensure_disk
 from rlfleet.config import MasterConfig, check_config, config_to_yaml
 from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.checks import Algorithm
@@ -129,6 +131,7 @@ def start_run(
     is released before the error propagates; once this returns, the context owns it all and
     :func:`run_loop` releases it at the end.
     """
+    ensure_disk(cfg, max_num_steps if max_num_steps < sys.maxsize else None)  # room for its checkpoints
     task = pairs is None or pairs.sampled
     # every data row checked before anything expensive starts (a pair source read its own already)
     examples = load_task(cfg.data) if task else ([], [])

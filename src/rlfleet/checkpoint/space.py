@@ -1,0 +1,163 @@
+"""Disk space for a run's checkpoints: what they will take, checked before any model loads.
+
+A checkpoint holds the float32 master weights (a tied embedding once), the optimizer's state (AdamW: two
+float32 moments per trained parameter), the tokenizer, and a few small files (scheduler, RNG, dataloader,
+recipe, manifest). A run keeps ``checkpointing.keep_top_k`` of them and writes the next one before pruning,
+so at its peak ``keep_top_k + 1`` are on disk at once (every one it saves, with ``keep_top_k: null``).
+
+Measured: a Gemma 3 270M checkpoint is 3.03 GiB on disk (3.06 estimated: 268,098,176 float32 weights and two
+AdamW moments, its 32 MiB tokenizer); it was 3.65 GiB while the tied embedding was written twice, and one run
+of ``make train-gemma3`` (three checkpoints kept, the SFT model exported) left 12 GiB.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlfleet.checkpoint.manager import CheckpointManager
+from rlfleet.config.checks import Algorithm
+from rlfleet.config.errors import ConfigError
+from rlfleet.config.schema import MasterConfig
+from rlfleet.memory.estimate import GIB
+from rlfleet.memory.planner import OPTIMIZER_STATE_BYTES, parameter_counts, trains_here
+
+# the tokenizer's files grow with its vocabulary (Gemma 3's 262,144 entries: 33,376,081 bytes, SmolLM2's
+# 49,152: 3.6 MB), and the small files beside the weights
+TOKENIZER_BYTES_PER_ENTRY = 128
+SMALL_FILES_BYTES = 2**20
+# RLFLEET_DISK_CHECK=off starts a run whose checkpoints would not fit on the disk (it fails at a save)
+SKIP_ENV = "RLFLEET_DISK_CHECK"
+
+
+def checkpoint_bytes(
+    parameters: int, trainable: int, optimizer_state_bytes: int, vocab_size: int, lora: bool = False
+) -> int:
+    """One checkpoint: float32 weights (the base and, with LoRA, the adapters), the optimizer's state per
+    trained parameter, the tokenizer and the small files."""
+    weights = 4 * (parameters + (trainable if lora else 0))
+    files = TOKENIZER_BYTES_PER_ENTRY * vocab_size + SMALL_FILES_BYTES
+    return weights + optimizer_state_bytes * trainable + files
+
+
+def saves_between(start: int, stop: int, period: int) -> int:
+    """Checkpoints a run writes from step ``start`` (excluded) to ``stop``: every ``period`` steps and at
+    ``stop``."""
+    if stop <= start:
+        return 0
+    return stop // period - start // period + (1 if stop % period else 0)
+
+
+def checkpoints_to_write(keep_top_k: int | None, saves: int, existing: int) -> int:
+    """How many checkpoints the run adds to the ``existing`` ones at its peak on disk: each save writes the
+    new one before pruning to ``keep_top_k`` (None: every save stays)."""
+    if saves == 0:
+        return 0
+    if keep_top_k is None:
+        return saves
+    return max(1, min(saves, keep_top_k + 1 - existing))
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (where a directory not yet made would be)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+@dataclass(frozen=True)
+class DiskPlan:
+    directory: Path
+    per_checkpoint: int  # bytes
+    saves: int  # checkpoints the run writes from here (an unbounded run's counted as one)
+    existing: int  # step_N directories already there (a resumed run's)
+    to_write: int  # checkpoints on disk at the peak beyond the existing ones
+    free: int | None  # bytes free where they go; None where the run saves elsewhere (a cluster)
+
+    @property
+    def needed(self) -> int:
+        return self.to_write * self.per_checkpoint
+
+
+def disk_plan(cfg: MasterConfig, max_num_steps: int | None) -> DiskPlan | None:
+    """The disk the run's checkpoints take, or None when it saves none or the recipe gives no
+    ``policy.architecture`` to count parameters from. ``max_num_steps``: None when only the epochs bound it
+    (counted as one more save)."""
+    ckpt, arch = cfg.checkpointing, cfg.policy.architecture
+    if not ckpt.enabled or arch is None:
+        return None
+    parameters, trainable = parameter_counts(cfg)
+    optimizer = OPTIMIZER_STATE_BYTES.get(cfg.policy.optimizer.name, 8)
+    lora = cfg.policy.dtensor_cfg.lora_cfg.enabled
+    directory = Path(ckpt.checkpoint_dir)
+    steps = [step for step, _ in CheckpointManager(directory).checkpoints(warn=False)]
+    start = steps[-1] if steps else 0
+    saves = 1 if max_num_steps is None else saves_between(start, max_num_steps, ckpt.save_period)
+    free = shutil.disk_usage(nearest_existing(directory)).free if trains_here(cfg) else None
+    return DiskPlan(
+        directory=directory,
+        per_checkpoint=checkpoint_bytes(parameters, trainable, optimizer, arch.vocab_size, lora),
+        saves=saves,
+        existing=len(steps),
+        to_write=checkpoints_to_write(ckpt.keep_top_k, saves, len(steps)),
+        free=free,
+    )
+
+
+def run_steps(cfg: MasterConfig, algorithm: Algorithm) -> int | None:
+    """The algorithm's ``max_num_steps``; None for no limit (``rm.max_num_steps=-1``: the epochs decide)."""
+    steps: int = getattr(cfg, algorithm).max_num_steps
+    return None if steps < 0 else steps
+
+
+def check_enabled() -> bool:
+    return os.environ.get(SKIP_ENV, "").lower() not in ("0", "off", "false", "no")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def disk_problems(cfg: MasterConfig, max_num_steps: int | None) -> list[str]:
+    """One line when the run's checkpoints would not fit on the disk they go to (none when they fit, or
+    cannot be counted, or the check is off)."""
+    plan = disk_plan(cfg, max_num_steps) if check_enabled() else None
+    if plan is None or plan.free is None or plan.needed <= plan.free:
+        return []
+    keep = cfg.checkpointing.keep_top_k
+    why = f"keep_top_k={keep} plus the one being written" if keep is not None else "keep_top_k=null keeps all"
+    fixes = ["checkpointing.checkpoint_dir=<a disk with room>", "free space"]
+    one_kept = checkpoints_to_write(1, plan.saves, plan.existing) * plan.per_checkpoint
+    if keep != 1 and one_kept <= plan.free:
+        fixes.insert(0, "checkpointing.keep_top_k=1")
+    return [
+        f"disk: the run's checkpoints need about {_gib(plan.needed)} ({plan.to_write} of "
+        f"{_gib(plan.per_checkpoint)}: {why}) under {plan.directory}, but {_gib(plan.free)} is free there; "
+        f"fix: {' or '.join(fixes)} ({SKIP_ENV}=off to try anyway)"
+    ]
+
+
+def describe_disk(cfg: MasterConfig, max_num_steps: int | None) -> str | None:
+    """``rlfleet plan``'s line on the checkpoints' disk space (None when none are saved or counted)."""
+    plan = disk_plan(cfg, max_num_steps)
+    if plan is None:
+        return None
+    peak = plan.existing + plan.to_write
+    text = (
+        f"{_gib(plan.per_checkpoint)} each; {plan.saves} to write, up to {peak} on disk at once "
+        f"({_gib(plan.needed)} more than now) under {plan.directory}"
+    )
+    if plan.free is None:
+        return text + " (not compared: the run saves on its cluster)"
+    verdict = "fits" if plan.needed <= plan.free else "does NOT fit: `validate` and the run refuse it"
+    return text + f"; {verdict}: {_gib(plan.free)} free there"
+
+
+def ensure_disk(cfg: MasterConfig, max_num_steps: int | None) -> None:
+    """Raises ``ConfigError`` when the run's checkpoints would not fit on their disk."""
+    problems = disk_problems(cfg, max_num_steps)
+    if problems:
+        raise ConfigError(problems, header="the run's checkpoints would not fit on the disk:")
