@@ -46,8 +46,18 @@ BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # bytes of optimizer state per trained parameter, for each policy.optimizer.name the schema admits: AdamW's
 # two float32 moments (m and v)
 OPTIMIZER_STATE_BYTES = {"torch.optim.AdamW": 8, "AdamW": 8}
-# a CPU vLLM engine process beside its weights and KV cache space (interpreter, torch, vLLM)
-VLLM_CPU_PROCESS_BYTES = int(1.0 * GIB)
+# A CPU vLLM engine beside its weights and KV cache space, measured on a tiny model, SmolLM2-135M and Gemma 3
+# 270M (bf16, 1 GiB of KV cache space, 64 samples of 256 tokens; anonymous resident memory of each process):
+# its worker process holds the interpreter, torch and vLLM (0.46 GiB on the tiny model) and, per weight, about
+# two more bf16 copies (its CPU GEMM dispatch keeps a oneDNN-packed copy of each linear layer beside the
+# weight: 0.42 GiB beyond SmolLM2's 0.25 GiB of weights, 0.98 beyond Gemma's 0.50); its engine core process
+# 0.40 GiB and its tokenizer (0.45 GiB with SmolLM2's 49,152 entries, 0.73 with Gemma's 262,144); the client
+# in the trainer process imports vLLM (0.25 GiB: 0.39 against torch's 0.14).
+VLLM_CPU_WORKER_BYTES = int(0.45 * GIB)
+VLLM_CPU_PACKED_WEIGHT_COPIES = 2
+VLLM_CPU_CORE_BYTES = int(0.40 * GIB)
+VLLM_CPU_CORE_BYTES_PER_VOCAB_ENTRY = 1300
+VLLM_CLIENT_BYTES = int(0.25 * GIB)
 # a fitted token budget (packing, dynamic batching) may use this share of the memory left to one rank
 BUDGET_HEADROOM = 0.7
 # the share of the memory an estimate may reach before validate and the run refuse it: the estimate is close
@@ -312,10 +322,15 @@ def _generation(cfg: MasterConfig, layout: ResourceLayout, parameters: int, on_g
     dtype = generation_precision(cfg, layout)
     kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or backend.cpu_kv_cache_gib) * GIB
     engines, name = layout.gen_engines, backend.display_name
+    weights = BYTES[dtype] * parameters
+    vocab = cfg.policy.architecture.vocab_size if cfg.policy.architecture else 0
     return {
-        f"{name} weights ({dtype})": engines * BYTES[dtype] * parameters,
+        f"{name} weights ({dtype})": engines * weights,
         f"{name} KV cache space": engines * kv,
-        f"{name} processes": engines * VLLM_CPU_PROCESS_BYTES,
+        f"{name} worker (+ packed weights)": engines
+        * (VLLM_CPU_WORKER_BYTES + VLLM_CPU_PACKED_WEIGHT_COPIES * weights),
+        f"{name} engine core": engines * (VLLM_CPU_CORE_BYTES + VLLM_CPU_CORE_BYTES_PER_VOCAB_ENTRY * vocab),
+        f"{name} client": VLLM_CLIENT_BYTES,
     }
 
 
