@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlfleet.cli import main
 from rlfleet.config import load_recipe, resolve_recipe_path
+from rlfleet.config.checks import Algorithm
 from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.layout import resource_layout
 from rlfleet.config.schema import ArchitectureConfig, OptimizerConfig
@@ -421,8 +422,8 @@ def test_the_output_layers_gradient_counts_from_the_start_of_the_backward(
     assert "output-layer gradient" not in parts
 
 
-# Anonymous resident memory of a CPU vLLM engine's processes (bf16, VLLM_CPU_KVCACHE_SPACE=1, 64 samples of 256
-# tokens with their logprobs; /proc/<pid>/status of each after two generate calls), against the estimate.
+# Anonymous resident memory of a CPU vLLM engine's processes (bf16, VLLM_CPU_KVCACHE_SPACE=1, 64 samples of
+# 256 tokens with their logprobs; /proc/<pid>/status of each after two generate calls), against the estimate.
 MEASURED_VLLM_ENGINES = [
     # recipe, worker process (weights, KV cache space and the rest), engine core process
     ("grpo-smollm2-135m-gsm8k-cpu", 2.17, 0.45),
@@ -442,8 +443,29 @@ def test_the_vllm_engine_estimate_holds_its_measured_processes(
     cfg = load_recipe(resolve_recipe_path(recipe), ["policy.generation.backend=vllm"])
     layout, n = resource_layout(cfg), count_parameters(cfg.policy.architecture)
     parts = memory_plan(cfg, layout, n, n, tokens={"train": 4096, "logprob": 4096}).generation
-    in_worker = sum(v for k, v in parts.items() if "core" not in k and "client" not in k) / GIB
+    in_worker = (
+        sum(v for k, v in parts.items() if k.startswith(("vLLM weights", "vLLM KV", "vLLM worker"))) / GIB
+    )
     in_core = sum(v for k, v in parts.items() if "core" in k) / GIB
     assert 0.95 < in_worker / worker < 1.1, (in_worker, worker)
     assert 0.95 < in_core / core < 1.1, (in_core, core)
     assert any("client" in k for k in parts)  # the trainer imports vLLM for its client
+
+
+def test_the_environment_workers_are_counted_beside_the_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GRPO run of Gemma 3: the math environment's forkserver and two workers held 0.19 GiB each (0.57)."""
+    _machine(monkeypatch, 64)
+
+    def environment_part(workers: int, algorithm: Algorithm = "grpo") -> dict[str, float]:
+        cfg = load_recipe(
+            resolve_recipe_path("grpo-gemma3-270m-gsm8k-cpu"), [f"env.math.num_workers={workers}"]
+        )
+        layout, n = resource_layout(cfg), count_parameters(cfg.policy.architecture)
+        tokens = {"train": 4096, "logprob": 4096}
+        parts = memory_plan(cfg, layout, n, n, tokens=tokens, algorithm=algorithm).generation
+        return {k: v for k, v in parts.items() if "environment workers" in k}
+
+    [(name, size)] = environment_part(2).items()
+    assert name == "math environment workers (2 + forkserver)" and abs(size / GIB - 0.57) < 0.01
+    assert list(environment_part(4).values()) == [5 * int(0.19 * GIB)]
+    assert environment_part(2, "rm") == {}  # a reward model's run scores nothing

@@ -298,11 +298,11 @@ def _memory_lines(cfg: MasterConfig, plan: Plan) -> list[str]:
     lines.append(f"    {'':<22}{'; '.join(knobs)}")
     if not mem.on_gpu and mem.allocator == "glibc":
         lines.append(_jemalloc_hint(cfg, plan, mem.passes["train"], trainable))
-    if mem.generation:
+    backend = backend_of(lay)
+    if mem.generation:  # a CPU vLLM engine, a teacher actor, environment workers
         detail = ", ".join(f"{k} {v / GIB:.2f}" for k, v in mem.generation.items())
-        lines.append(f"  {'generation memory':<20}{sum(mem.generation.values()) / GIB:.1f} GiB ({detail})")
-    elif plan.algorithm != "rm":  # on GPUs, or a backend without memory of its own (a reward model: none)
-        backend = backend_of(lay)
+        lines.append(f"  {'beside the ranks':<20}{sum(mem.generation.values()) / GIB:.1f} GiB ({detail})")
+    if plan.algorithm != "rm" and (mem.on_gpu or not backend.own_memory):  # an engine not counted above
         gen_precision = generation_precision(cfg, lay)
         gen_weights = plan.parameters * BYTES[gen_precision] / lay.gen_tp / GIB
         where = "per generation GPU" if mem.on_gpu else "generation"
@@ -321,7 +321,7 @@ def _memory_lines(cfg: MasterConfig, plan: Plan) -> list[str]:
         lines.append(f"  {'fits':<20}not compared: this machine is not where the run trains")
         return lines
     what = "one GPU" if mem.on_gpu else "this machine"
-    ranks = f"{mem.ranks_here} rank(s)" + (" + generation" if mem.generation else "")
+    ranks = f"{mem.ranks_here} rank(s)" + (" + beside them" if mem.generation else "")
     problems = memory_problems(cfg, lay, plan.algorithm, plan.batching)
     verdict = "does NOT fit: `validate` and the run refuse it" if problems else "fits"
     lines.append(
