@@ -13,6 +13,7 @@ from pathlib import Path
 from rlfleet.algorithms.grpo import grpo_train
 from rlfleet.algorithms.sft import sft_train
 from rlfleet.checkpoint import CheckpointManager, export_hf
+from rlfleet.checkpoint.space import ensure_pipeline_disk, export_bytes, run_steps
 from rlfleet.config import (
     DEMO_TASKS,
     PRETRAINED_DEMO_TASKS,
@@ -89,17 +90,23 @@ def run_demo(
     sft_cfg = load_recipe(
         resolve_recipe_path(sft_recipe), [*stage_overrides(out, "sft", base), *sft_overrides]
     )
+    sft_model = out / "sft_model"
+    grpo_cfg = load_recipe(
+        resolve_recipe_path(grpo_recipe), [*stage_overrides(out, "grpo", sft_model), *overrides]
+    )
+    exported = (sft_model / "config.json").is_file()
+    ensure_pipeline_disk(  # before SFT: its checkpoints and model stay on disk while GRPO saves its own
+        [(sft_cfg, run_steps(sft_cfg, "sft")), (grpo_cfg, run_steps(grpo_cfg, "grpo"))],
+        [0 if exported else export_bytes(sft_cfg)],
+        fix=f"--out <a directory on a disk with room> (now {out}), or free space",
+    )
     print(f"== stage 1/2: SFT warm start of {base}", flush=True, file=terminal())
     sft_train(sft_cfg, release=True)  # its worker's memory freed before GRPO starts in this process
-    sft_model = out / "sft_model"
-    if not (sft_model / "config.json").is_file():
+    if not exported:
         latest = CheckpointManager(Path(sft_cfg.checkpointing.checkpoint_dir), None, True, None).latest()
         if latest is None:
             raise RuntimeError(f"SFT wrote no checkpoint under {sft_cfg.checkpointing.checkpoint_dir}")
         export_hf(latest, sft_model)
-    grpo_cfg = load_recipe(
-        resolve_recipe_path(grpo_recipe), [*stage_overrides(out, "grpo", sft_model), *overrides]
-    )
     print(f"== stage 2/2: GRPO from {sft_model}", flush=True, file=terminal())
     grpo_train(grpo_cfg)
     curve = val_accuracy_curve(Path(grpo_cfg.logger.log_dir))

@@ -24,6 +24,8 @@ from rlfleet.checkpoint.space import (
     disk_plan,
     disk_problems,
     ensure_disk,
+    export_bytes,
+    pipeline_problems,
     run_steps,
     saves_between,
 )
@@ -242,3 +244,46 @@ def test_dcp_itself_reports_the_full_disk_so_it_is_recognised(
     with pytest.raises(BaseException) as err:  # DCP's CheckpointException is a BaseException
         dcp.save({"w": nn.Linear(2, 2).weight.detach()}, checkpoint_id=tmp_path / "w", no_dist=True)
     assert is_disk_full(err.value)
+
+
+def demo_stages(out: Path) -> list[tuple[Any, int | None]]:
+    sft = load_recipe(
+        resolve_recipe_path("sft-gemma3-270m-gsm8k-cpu"), [f"checkpointing.checkpoint_dir={out / 'sft'}"]
+    )
+    grpo = gemma(out)
+    return [(sft, run_steps(sft, "sft")), (grpo, run_steps(grpo, "grpo"))]
+
+
+def test_a_pipeline_counts_what_each_stage_keeps_while_the_next_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`make train-gemma3`: SFT (two checkpoints at once, one kept), its exported float32 model (1.0 GiB),
+    then GRPO (two kept): 3.0 + 1.0 + 6.1 GiB at GRPO's peak, where each stage alone needs 6.1."""
+    stages = demo_stages(tmp_path)
+    export = export_bytes(stages[0][0])
+    assert abs(export / GIB - 1.0) < 0.01  # policy.precision auto: the float32 masters
+    free_disk(monkeypatch, 10)
+    assert all(not disk_problems(cfg, steps) for cfg, steps in stages)  # each stage alone fits
+    [problem] = pipeline_problems(stages, [export], fix="--out elsewhere")
+    assert "need about 10.1 GiB at their peak" in problem and "10.0 GiB is free" in problem
+    assert "6.1 GiB while it runs, 3.0 GiB kept" in problem and "then 1.0 GiB of exported weights" in problem
+    assert "fix: --out elsewhere" in problem
+    assert not pipeline_problems(stages, [0], fix="")  # the model already exported: 9.1 GiB
+    free_disk(monkeypatch, 11)
+    assert not pipeline_problems(stages, [export], fix="")
+
+
+def test_the_gemma_demo_refuses_before_its_sft_stage_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlfleet import demo
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a stage started before the disk was checked")
+
+    monkeypatch.setattr(demo, "sft_train", started)
+    monkeypatch.setattr(demo, "grpo_train", started)
+    free_disk(monkeypatch, 10)
+    with pytest.raises(ConfigError, match="stages' checkpoints would not fit on the disk") as err:
+        demo.run_demo(tmp_path / "out", task="gemma3")
+    assert f"--out <a directory on a disk with room> (now {tmp_path / 'out'})" in str(err.value)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,6 +155,65 @@ def describe_disk(cfg: MasterConfig, max_num_steps: int | None) -> str | None:
         return text + " (not compared: the run saves on its cluster)"
     verdict = "fits" if plan.needed <= plan.free else "does NOT fit: `validate` and the run refuse it"
     return text + f"; {verdict}: {_gib(plan.free)} free there"
+
+
+def kept_after(plan: DiskPlan, keep_top_k: int | None) -> int:
+    """Bytes a run's new checkpoints still take once it has ended (``keep_top_k`` of them, or every one)."""
+    total = plan.existing + plan.saves
+    kept = total if keep_top_k is None else min(keep_top_k, total)
+    return max(0, kept - plan.existing) * plan.per_checkpoint
+
+
+def export_bytes(cfg: MasterConfig) -> int:
+    """The weights ``export_hf`` writes for a run of ``cfg``: in ``policy.precision`` when it names a dtype,
+    float32 (the masters) for ``auto``; 0 without ``policy.architecture``."""
+    if cfg.policy.architecture is None:
+        return 0
+    return {"bfloat16": 2, "float16": 2}.get(cfg.policy.precision, 4) * parameter_counts(cfg)[0]
+
+
+def pipeline_problems(
+    stages: Sequence[tuple[MasterConfig, int | None]],
+    between: Sequence[int] = (),
+    fix: str = "checkpointing.keep_top_k=1, fewer saves, or free space",
+) -> list[str]:
+    """One line when runs made one after another (``rlfleet demo``: SFT, the exported model, GRPO) would
+    fill their disk: each stage's kept checkpoints, and the ``between[i]`` bytes written after stage ``i``,
+    stay on disk while the later stages run. Checked only where every stage saves on the same file system
+    (each run still checks its own at its start)."""
+    plans = [(disk_plan(cfg, steps), cfg) for cfg, steps in stages] if check_enabled() else []
+    counted = [(plan, cfg) for plan, cfg in plans if plan is not None and plan.free is not None]
+    devices = {nearest_existing(plan.directory).stat().st_dev for plan, _ in counted}
+    if not counted or len(devices) > 1:
+        return []
+    held = peak = 0
+    parts: list[str] = []
+    for i, (plan, cfg) in enumerate(counted):
+        peak = max(peak, held + plan.needed)
+        kept = kept_after(plan, cfg.checkpointing.keep_top_k)
+        parts.append(f"{plan.directory}: {_gib(plan.needed)} while it runs, {_gib(kept)} kept")
+        held += kept
+        if i < len(between) and between[i]:
+            held += between[i]
+            parts.append(f"then {_gib(between[i])} of exported weights")
+    free = counted[0][0].free
+    assert free is not None
+    if peak <= free:
+        return []
+    return [
+        f"disk: the stages need about {_gib(peak)} at their peak, what each keeps staying while the next "
+        f"runs ({'; '.join(parts)}), but {_gib(free)} is free there; fix: {fix} "
+        f"({SKIP_ENV}=off to try anyway)"
+    ]
+
+
+def ensure_pipeline_disk(
+    stages: Sequence[tuple[MasterConfig, int | None]], between: Sequence[int], fix: str
+) -> None:
+    """Raises ``ConfigError`` when ``pipeline_problems`` finds any."""
+    problems = pipeline_problems(stages, between, fix)
+    if problems:
+        raise ConfigError(problems, header="the stages' checkpoints would not fit on the disk:")
 
 
 def ensure_disk(cfg: MasterConfig, max_num_steps: int | None) -> None:
