@@ -77,3 +77,49 @@ def test_the_slack_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(probes.HEAP_SLACK_ENV, "lots")
     with pytest.raises(ValueError, match="whole number of MiB"):
         probes.heap_slack_bytes()
+
+
+HOLDER = """
+import sys
+block = bytearray(64 * 2**20)  # touched: resident
+sys.stdout.write("ready\\n"); sys.stdout.flush()
+sys.stdin.read()
+"""
+GRANDCHILD = f"""
+import subprocess, sys
+block = bytearray(96 * 2**20)  # touched: resident
+pipe = subprocess.PIPE
+child = subprocess.Popen([sys.executable, "-c", {HOLDER!r}], stdin=pipe, stdout=pipe, text=True)
+assert child.stdout.readline() == "ready\\n"
+del block  # freed: the peak stays
+sys.stdout.write("ready\\n"); sys.stdout.flush()
+sys.stdin.read()
+child.stdin.close(); child.wait()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_the_processes_a_run_started_are_measured_to_the_last_grandchild() -> None:
+    """``memory/children_*``: a child that held 96 MiB and freed it, and its own child holding 64 MiB."""
+    from rlfleet.memory.probes import descendant_pids, descendants_resident_bytes
+
+    before = descendants_resident_bytes()
+    child = subprocess.Popen(
+        [sys.executable, "-c", GRANDCHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        pids = descendant_pids()
+        assert child.pid in pids and len(pids) >= 2  # the grandchild too
+        measured = descendants_resident_bytes()
+        assert measured is not None
+        now, peak = measured
+        base = 0 if before is None else before[0]
+        assert now - base >= 64 * 2**20  # the grandchild's block, resident
+        assert peak >= now + 90 * 2**20  # the child's freed block stays in its peak
+        again = descendants_resident_bytes()  # peaks reset by the previous call
+        assert again is not None and again[1] < peak - 64 * 2**20
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=60)

@@ -82,6 +82,51 @@ def take_peak_resident_bytes() -> int | None:
     return None if kib is None else kib * 1024
 
 
+def descendant_pids(pid: int | None = None) -> list[int]:
+    """Every process started under ``pid`` (this one by default), children of any of its threads, their
+    children and so on (Linux ``/proc/<pid>/task/<tid>/children``); empty elsewhere."""
+    found: list[int] = []
+    todo = [os.getpid() if pid is None else pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def descendants_resident_bytes() -> tuple[int, int] | None:
+    """``(resident now, peak)`` summed over the processes this one started (a vLLM engine's, environment
+    workers, a local Ray cluster's), each process's peak (``VmHWM``) since the previous call, which resets
+    it; None when there are none, or off Linux. The sum of peaks bounds their peak together from above."""
+    now = peak = 0
+    pids = descendant_pids()
+    for pid in pids:
+        fields: dict[str, int] = {}
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key in ("VmRSS", "VmHWM"):
+                        fields[key] = int(value.split()[0]) * 1024
+            with open(f"/proc/{pid}/clear_refs", "w") as f:
+                f.write("5")
+        except (OSError, ValueError):
+            continue  # ended meanwhile, or not ours to read
+        now += fields.get("VmRSS", 0)
+        peak += fields.get("VmHWM", 0)
+    return (now, peak) if pids else None
+
+
 HEAP_SLACK_ENV = "RLFLEET_HEAP_SLACK_MIB"
 DEFAULT_HEAP_SLACK_MIB = 128
 
