@@ -62,6 +62,36 @@ def val_accuracy_curve(log_dir: Path) -> list[tuple[int, float]]:
     ]
 
 
+def stage_accuracies(
+    sft_curve: Sequence[tuple[int, float]], grpo_curve: Sequence[tuple[int, float]]
+) -> tuple[float | None, float | None, float | None]:
+    """``(before SFT, after SFT, after GRPO)`` from the stages' validation curves: the SFT stage's step-0
+    validation; the GRPO stage's step-0 one, else the SFT stage's last (the same model); the GRPO stage's
+    last after step 0. None where no validation measured it."""
+    before_sft = sft_curve[0][1] if sft_curve and sft_curve[0][0] == 0 else None
+    if grpo_curve and grpo_curve[0][0] == 0:
+        after_sft: float | None = grpo_curve[0][1]
+    else:
+        after_sft = sft_curve[-1][1] if sft_curve and sft_curve[-1][0] > 0 else None
+    trained = [acc for step, acc in grpo_curve if step > 0]
+    return before_sft, after_sft, trained[-1] if trained else None
+
+
+def accuracy_line(before_sft: float | None, after_sft: float | None, after_grpo: float | None) -> str:
+    """``"0.5% before SFT -> 4.5% after SFT -> 3.5% after GRPO (-1.0 points)"``, each part as measured."""
+    parts = [
+        f"{acc:.1%} {when}"
+        for acc, when in ((before_sft, "before SFT"), (after_sft, "after SFT"), (after_grpo, "after GRPO"))
+        if acc is not None
+    ]
+    gain = (
+        f" ({(after_grpo - after_sft) * 100:+.1f} points)"
+        if after_sft is not None and after_grpo is not None
+        else ""
+    )
+    return " -> ".join(parts) + gain if parts else "not validated (val_period=0 and no validation at the end)"
+
+
 def sft_section(overrides: Sequence[str]) -> list[str]:
     """The overrides of the ``sft`` section, which only the SFT stage reads (the GRPO recipe carries it)."""
     return [o for o in overrides if parse_override(o).key[0] == "sft"]
@@ -109,10 +139,9 @@ def run_demo(
         export_hf(latest, sft_model)
     print(f"== stage 2/2: GRPO from {sft_model}", flush=True, file=terminal())
     grpo_train(grpo_cfg)
-    curve = val_accuracy_curve(Path(grpo_cfg.logger.log_dir))
-    before, after = curve[0][1], curve[-1][1]
-    sft_curve = val_accuracy_curve(Path(sft_cfg.logger.log_dir))
-    start = f"{sft_curve[0][1]:.1%} before SFT -> " if sft_cfg.sft.val_at_start and sft_curve else ""
+    accuracies = stage_accuracies(
+        val_accuracy_curve(Path(sft_cfg.logger.log_dir)), val_accuracy_curve(Path(grpo_cfg.logger.log_dir))
+    )
     log_dir = Path(grpo_cfg.logger.log_dir)
     from rlfleet.logging.plot import plot_stages  # matplotlib: loaded once the run is over
 
@@ -123,8 +152,8 @@ def run_demo(
     )
     print(
         "\n== done\n"
-        f"validation accuracy (greedy, {grpo_cfg.grpo.max_val_samples} held-out problems): {start}"
-        f"{before:.1%} after SFT -> {after:.1%} after GRPO ({(after - before) * 100:+.1f} points)\n"
+        f"validation accuracy (greedy, {grpo_cfg.grpo.max_val_samples} held-out problems): "
+        f"{accuracy_line(*accuracies)}\n"
         f"metrics:     {log_dir / 'metrics.jsonl'}\n"
         f"plot:        {log_dir / 'plot.png'}\n"
         f"curve:       {curve_png} (validation accuracy through SFT and GRPO)\n"
@@ -134,4 +163,9 @@ def run_demo(
         flush=True,
         file=terminal(),
     )
-    return {"val_accuracy_before": before, "val_accuracy_after": after}
+    _, after_sft, after_grpo = accuracies
+    nan = float("nan")
+    return {
+        "val_accuracy_before": nan if after_sft is None else after_sft,
+        "val_accuracy_after": nan if after_grpo is None else after_grpo,
+    }
