@@ -204,6 +204,8 @@ def test_sft_from_the_command_line(sft_reference: tuple[Path, Any], tiny_model_d
     losses = [r["train/loss"] for r in records[1:]]
     assert losses[-1] < losses[0], losses
     assert all(r["train/num_tokens"] > 0 for r in records[1:])
+    # every loop logs its memory, not only GRPO's
+    assert all(0 < r["memory/trainer_rss_gib"] <= r["memory/trainer_peak_rss_gib"] for r in records[1:])
     for step in (2, 4):
         assert verify_checkpoint(run / "ckpt" / f"step_{step}")
     trained = load_model_state_dict(run / "ckpt" / "step_4")

@@ -48,7 +48,6 @@ from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.resolved import truncation_type
 from rlfleet.generation import GenerationBackend, SamplingParams
 from rlfleet.memory.planner import ensure_fits, resolve_batching
-from rlfleet.memory.probes import descendants_resident_bytes, resident_bytes, take_peak_resident_bytes
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
 from rlfleet.policy.microbatch import MicroBatching, computed_rows
@@ -318,7 +317,6 @@ class GRPO:
             "perf/training_tokens_per_s": all_tokens / max(timing["timing/training"], 1e-9),
         }
         out.update(self.backend.take_metrics())
-        out.update(trainer_memory_metrics())
         # the training pass, plus the prev and the reference logprob passes where they run
         extra_passes = int(not trained.prev_from_forward) + int(policy.has_reference)
         out.update(policy.take_metrics(int(all_tokens * (1 + extra_passes))))
@@ -388,24 +386,6 @@ def trained_logprobs(
 def collected_timing(collected: Collected) -> dict[str, float]:
     """``timing/generation`` and ``timing/env`` of the collection (in the background when asynchronous)."""
     return {f"timing/{k}": v for k, v in collected.seconds.items()}
-
-
-def trainer_memory_metrics() -> dict[str, float]:
-    """``memory/trainer_rss_gib`` (resident memory of this process now) and ``memory/trainer_peak_rss_gib``
-    (its peak since the previous step's); ``memory/children_rss_gib`` and ``memory/children_peak_rss_gib``,
-    the same summed over the processes it started (a CPU vLLM engine's, environment workers, a local Ray
-    cluster's: what ``rlfleet plan`` counts beside the ranks); none off Linux."""
-    now, peak = resident_bytes(), take_peak_resident_bytes()
-    if now is None or peak is None:
-        return {}
-    out = {"memory/trainer_rss_gib": now / 2**30, "memory/trainer_peak_rss_gib": peak / 2**30}
-    children = descendants_resident_bytes()
-    if children is not None:
-        out |= {
-            "memory/children_rss_gib": children[0] / 2**30,
-            "memory/children_peak_rss_gib": children[1] / 2**30,
-        }
-    return out
 
 
 def grpo_train(cfg: MasterConfig) -> dict[str, float]:

@@ -127,6 +127,23 @@ def descendants_resident_bytes() -> tuple[int, int] | None:
     return (now, peak) if pids else None
 
 
+def step_memory_metrics() -> dict[str, float]:
+    """What every step of a run logs (Linux; none elsewhere): ``memory/trainer_rss_gib`` (this process's
+    resident memory now) and ``memory/trainer_peak_rss_gib`` (its peak since the previous step's), and
+    ``memory/children_rss_gib`` / ``memory/children_peak_rss_gib``, the same summed over the processes it
+    started (a CPU vLLM engine's, environment workers, a local Ray cluster's: what ``rlfleet plan`` counts
+    beside the ranks). Resident memory counts the shared libraries' pages too (about 0.2 GiB a process)."""
+    now, peak = resident_bytes(), take_peak_resident_bytes()
+    if now is None or peak is None:
+        return {}
+    out = {"memory/trainer_rss_gib": now / 2**30, "memory/trainer_peak_rss_gib": peak / 2**30}
+    children = descendants_resident_bytes()
+    if children is not None:
+        out["memory/children_rss_gib"] = children[0] / 2**30
+        out["memory/children_peak_rss_gib"] = children[1] / 2**30
+    return out
+
+
 HEAP_SLACK_ENV = "RLFLEET_HEAP_SLACK_MIB"
 DEFAULT_HEAP_SLACK_MIB = 128
 

@@ -24,6 +24,7 @@ from rlfleet.config.layout import ResourceLayout
 from rlfleet.data import ResumableLoader, load_task, resolve_system_prompt
 from rlfleet.generation import GenerationBackend
 from rlfleet.logging import MetricsLogger, Progress, format_step_line, read_metrics
+from rlfleet.memory.probes import step_memory_metrics
 from rlfleet.policy.interface import Policy
 from rlfleet.rollouts.environments import (
     build_episode_runner,
@@ -277,6 +278,7 @@ def run_loop(
         metrics: dict[str, float] = {}
         while ctx.step < ctx.total_steps:
             metrics = step_fn()
+            metrics.update(step_memory_metrics())  # before validation: the step's own peak
             ctx.step += 1
             validated = should_validate(ctx.step, ctx.total_steps, val_period, val_at_end)
             if validated:
