@@ -212,6 +212,25 @@ def test_an_untied_model_writes_every_weight_and_no_tied_file(tmp_path: Path) ->
     assert_same_params(model, restored)
 
 
+def test_a_model_untied_where_the_checkpoint_was_tied_gets_the_weight_under_both_names(
+    tmp_path: Path,
+) -> None:
+    """A layout that does not keep the tie (one that splits the output layer) reads the one saved copy."""
+    trio = make_trio()
+    train_step(*trio)
+    save_policy(tmp_path, trio[0], None, None, None)
+    config = tiny_config()
+    config.tie_word_embeddings = False
+    untied = LlamaForCausalLM(config)
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    load_policy(tmp_path, untied)
+    embedding = trio[0].model.embed_tokens.weight
+    assert torch.equal(untied.lm_head.weight, embedding) and torch.equal(
+        untied.model.embed_tokens.weight, embedding
+    )
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight  # still two parameters
+
+
 def test_a_checkpoint_holding_a_tied_weight_twice_still_loads(tmp_path: Path) -> None:
     """Checkpoints written before tied weights were deduplicated hold lm_head.weight as well."""
     trio = make_trio()

@@ -161,6 +161,12 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
+def _saved_aliases(policy: Path) -> dict[str, str]:
+    """The ``{alias: name}`` a checkpoint's ``policy/`` recorded in ``tied_weights.json`` (none: ``{}``)."""
+    file = policy / TIED_WEIGHTS_FILE
+    return dict(json.loads(file.read_text())) if file.is_file() else {}
+
+
 def _model_state(model: nn.Module, aliases: dict[str, str]) -> dict[str, Any]:
     """The model's state dict for DCP, each tied weight once."""
     return {k: v for k, v in get_model_state_dict(model).items() if k not in aliases}
@@ -260,9 +266,17 @@ def load_policy(
             dcp.load(optim_state, checkpoint_id=src / OPTIMIZER_DIR, no_dist=no_dist)
         # each tied weight once (a checkpoint that holds it twice, as before tied_weights.json, loads too)
         aliases = tied_aliases(model)
-        model_state = {_MODEL_KEY: _model_state(model, aliases)}
+        wanted = _model_state(model, aliases)
+        # weights the checkpoint holds under another name (tied where it was written, untied here)
+        elsewhere = {k: v for k, v in _saved_aliases(src).items() if k in wanted}
+        model_state = {_MODEL_KEY: {k: v for k, v in wanted.items() if k not in elsewhere}}
         dcp.load(model_state, checkpoint_id=src / WEIGHTS_DIR, no_dist=no_dist)
-        result = set_model_state_dict(model, model_state[_MODEL_KEY], options=StateDictOptions(strict=False))
+        loaded = dict(model_state[_MODEL_KEY])
+        for alias, name in elsewhere.items():
+            one = {_MODEL_KEY: {name: wanted[alias]}}
+            dcp.load(one, checkpoint_id=src / WEIGHTS_DIR, no_dist=no_dist)
+            loaded[alias] = one[_MODEL_KEY][name]
+        result = set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
         missing = [k for k in result.missing_keys if k not in aliases]
         if missing or result.unexpected_keys:  # DCP found every key asked for: a bug here, not the file's
             raise RuntimeError(
@@ -302,10 +316,8 @@ def load_model_state_dict(dir: Path) -> dict[str, torch.Tensor]:
         dcp.load(state, checkpoint_id=weights, no_dist=True)
     prefix = f"{_MODEL_KEY}."
     plain = {(k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in state.items()}
-    tied = weights.parent / TIED_WEIGHTS_FILE
-    if tied.is_file():  # the tied weights' other names, sharing the tensor as in ``model.state_dict()``
-        for alias, name in json.loads(tied.read_text()).items():
-            plain[alias] = plain[name]
+    for alias, name in _saved_aliases(weights.parent).items():  # sharing the tensor, as a tied model's do
+        plain[alias] = plain[name]
     return plain
 
 
