@@ -124,8 +124,9 @@ def test_a_run_whose_checkpoints_would_fill_the_disk_is_refused_with_the_fixes(
 def test_keeping_fewer_is_not_offered_where_it_would_not_help(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    free_disk(monkeypatch, 5)  # one kept and one being written: 6.0 GiB
+    free_disk(monkeypatch, 5)  # two saves, both kept: 6.0 GiB
     [problem] = disk_problems(gemma(tmp_path), 16)
+    assert "(2 of 3.0 GiB: every save kept, keep_top_k=2)" in problem
     assert "keep_top_k=1" not in problem.split("fix:")[1]
     assert "fix: checkpointing.checkpoint_dir=<a disk with room> or free space" in problem
 

@@ -129,7 +129,12 @@ def disk_problems(cfg: MasterConfig, max_num_steps: int | None) -> list[str]:
     if plan is None or plan.free is None or plan.needed <= plan.free:
         return []
     keep = cfg.checkpointing.keep_top_k
-    why = f"keep_top_k={keep} plus the one being written" if keep is not None else "keep_top_k=null keeps all"
+    if keep is None:
+        why = "keep_top_k=null keeps all"
+    elif plan.existing + plan.saves <= keep:
+        why = f"every save kept, keep_top_k={keep}"
+    else:
+        why = f"keep_top_k={keep} plus the one being written"
     fixes = ["checkpointing.checkpoint_dir=<a disk with room>", "free space"]
     one_kept = checkpoints_to_write(1, plan.saves, plan.existing) * plan.per_checkpoint
     if keep != 1 and one_kept <= plan.free:
