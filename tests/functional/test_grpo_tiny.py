@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -122,8 +123,9 @@ def test_samples_and_metrics_files_are_readable(tiny_model_dir: Path, tmp_path: 
         assert key in last, key
     # the trainer's resident memory now and at its peak during the step (issue 20)
     assert 0 < last["memory/trainer_rss_gib"] <= last["memory/trainer_peak_rss_gib"] < 64
-    # and the processes it started (the math environment's workers here)
-    assert 0 < last["memory/children_rss_gib"] <= last["memory/children_peak_rss_gib"]
+    # and the processes it started (the math environment's workers here), where the kernel lists children
+    if Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists():
+        assert 0 < last["memory/children_rss_gib"] <= last["memory/children_peak_rss_gib"]
 
 
 def test_activation_checkpointing_gives_the_same_update(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -9,8 +9,10 @@ other tests has an allocator state of its own (thresholds, free lists) that the 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -98,7 +100,10 @@ child.stdin.close(); child.wait()
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+@pytest.mark.skipif(
+    not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
+    reason="the kernel lists no children in /proc (Linux with CONFIG_PROC_CHILDREN)",
+)
 def test_the_processes_a_run_started_are_measured_to_the_last_grandchild() -> None:
     """``memory/children_*``: a child that held 96 MiB and freed it, and its own child holding 64 MiB."""
     from rlfleet.memory.probes import descendant_pids, descendants_resident_bytes
