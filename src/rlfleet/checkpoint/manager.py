@@ -12,11 +12,12 @@ Layout (the NVIDIA NeMo RL one)::
 
 A checkpoint is first written to ``tmp_step_N`` and renamed to ``step_N`` only once complete, so
 a crash mid-save never leaves a ``step_N`` that looks resumable; an error mid-save (a full disk above all)
-removes ``tmp_step_N``, giving its space back, and keeps the checkpoints before it. Where the rename is not atomic (a GCS
-FUSE mount copies), the manifest catches what a crash leaves: :meth:`CheckpointManager.latest` skips a
-checkpoint whose files do not match it, with a warning naming the file, and resumes from the newest one
-that does. A checkpoint saved before rlfleet wrote manifests (no ``manifest.json`` and no ``"manifest"``
-key in its ``training_info.json``) is accepted with a warning that it cannot be verified.
+removes ``tmp_step_N``, giving its space back, and keeps the checkpoints before it. Where the rename is
+not atomic (a GCS FUSE mount copies), the manifest catches what a crash leaves:
+:meth:`CheckpointManager.latest` skips a checkpoint whose files do not match it, with a warning naming the
+file, and resumes from the newest one that does. A checkpoint saved before rlfleet wrote manifests (no
+``manifest.json`` and no ``"manifest"`` key in its ``training_info.json``) is accepted with a warning that
+it cannot be verified.
 """
 
 from __future__ import annotations
