@@ -12,7 +12,6 @@ of ``make train-gemma3`` (three checkpoints kept, the SFT model exported) left 1
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,8 +21,8 @@ from rlfleet.checkpoint.manager import CheckpointManager
 from rlfleet.config.checks import Algorithm
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.schema import MasterConfig
-from rlfleet.memory.estimate import GIB
-from rlfleet.memory.planner import OPTIMIZER_STATE_BYTES, parameter_counts, trains_here
+from rlfleet.memory.estimate import gib
+from rlfleet.memory.planner import OPTIMIZER_STATE_BYTES, parameter_counts, switched_off, trains_here
 
 # the tokenizer's files grow with its vocabulary (Gemma 3's 262,144 entries: 33,376,081 bytes, SmolLM2's
 # 49,152: 3.6 MB), and the small files beside the weights
@@ -114,18 +113,10 @@ def run_steps(cfg: MasterConfig, algorithm: Algorithm) -> int | None:
     return None if steps < 0 else steps
 
 
-def check_enabled() -> bool:
-    return os.environ.get(SKIP_ENV, "").lower() not in ("0", "off", "false", "no")
-
-
-def _gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
-
-
 def disk_problems(cfg: MasterConfig, max_num_steps: int | None) -> list[str]:
     """One line when the run's checkpoints would not fit on the disk they go to (none when they fit, or
     cannot be counted, or the check is off)."""
-    plan = disk_plan(cfg, max_num_steps) if check_enabled() else None
+    plan = disk_plan(cfg, max_num_steps) if not switched_off(SKIP_ENV) else None
     if plan is None or plan.free is None or plan.needed <= plan.free:
         return []
     keep = cfg.checkpointing.keep_top_k
@@ -140,8 +131,8 @@ def disk_problems(cfg: MasterConfig, max_num_steps: int | None) -> list[str]:
     if keep != 1 and one_kept <= plan.free:
         fixes.insert(0, "checkpointing.keep_top_k=1")
     return [
-        f"disk: the run's checkpoints need about {_gib(plan.needed)} ({plan.to_write} of "
-        f"{_gib(plan.per_checkpoint)}: {why}) under {plan.directory}, but {_gib(plan.free)} is free there; "
+        f"disk: the run's checkpoints need about {gib(plan.needed)} ({plan.to_write} of "
+        f"{gib(plan.per_checkpoint)}: {why}) under {plan.directory}, but {gib(plan.free)} is free there; "
         f"fix: {' or '.join(fixes)} ({SKIP_ENV}=off to try anyway)"
     ]
 
@@ -153,13 +144,13 @@ def describe_disk(cfg: MasterConfig, max_num_steps: int | None) -> str | None:
         return None
     peak = plan.existing + plan.to_write
     text = (
-        f"{_gib(plan.per_checkpoint)} each; {plan.saves} to write, up to {peak} on disk at once "
-        f"({_gib(plan.needed)} more than now) under {plan.directory}"
+        f"{gib(plan.per_checkpoint)} each; {plan.saves} to write, up to {peak} on disk at once "
+        f"({gib(plan.needed)} more than now) under {plan.directory}"
     )
     if plan.free is None:
         return text + " (not compared: the run saves on its cluster)"
     verdict = "fits" if plan.needed <= plan.free else "does NOT fit: `validate` and the run refuse it"
-    return text + f"; {verdict}: {_gib(plan.free)} free there"
+    return text + f"; {verdict}: {gib(plan.free)} free there"
 
 
 def kept_after(plan: DiskPlan, keep_top_k: int | None) -> int:
@@ -186,7 +177,7 @@ def pipeline_problems(
     fill their disk: each stage's kept checkpoints, and the ``between[i]`` bytes written after stage ``i``,
     stay on disk while the later stages run. Checked only where every stage saves on the same file system
     (each run still checks its own at its start)."""
-    plans = [(disk_plan(cfg, steps), cfg) for cfg, steps in stages] if check_enabled() else []
+    plans = [(disk_plan(cfg, steps), cfg) for cfg, steps in stages] if not switched_off(SKIP_ENV) else []
     counted = [(plan, cfg) for plan, cfg in plans if plan is not None and plan.free is not None]
     devices = {nearest_existing(plan.directory).stat().st_dev for plan, _ in counted}
     if not counted or len(devices) > 1:
@@ -196,18 +187,18 @@ def pipeline_problems(
     for i, (plan, cfg) in enumerate(counted):
         peak = max(peak, held + plan.needed)
         kept = kept_after(plan, cfg.checkpointing.keep_top_k)
-        parts.append(f"{plan.directory}: {_gib(plan.needed)} while it runs, {_gib(kept)} kept")
+        parts.append(f"{plan.directory}: {gib(plan.needed)} while it runs, {gib(kept)} kept")
         held += kept
         if i < len(between) and between[i]:
             held += between[i]
-            parts.append(f"then {_gib(between[i])} of exported weights")
+            parts.append(f"then {gib(between[i])} of exported weights")
     free = counted[0][0].free
     assert free is not None
     if peak <= free:
         return []
     return [
-        f"disk: the stages need about {_gib(peak)} at their peak, what each keeps staying while the next "
-        f"runs ({'; '.join(parts)}), but {_gib(free)} is free there; fix: {fix} "
+        f"disk: the stages need about {gib(peak)} at their peak, what each keeps staying while the next "
+        f"runs ({'; '.join(parts)}), but {gib(free)} is free there; fix: {fix} "
         f"({SKIP_ENV}=off to try anyway)"
     ]
 

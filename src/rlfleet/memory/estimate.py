@@ -36,6 +36,12 @@ from rlfleet.config.schema import ArchitectureConfig
 
 GIB = 1024**3
 
+
+def gib(n: float) -> str:
+    """``n`` bytes as ``"3.0 GiB"``."""
+    return f"{n / GIB:.1f} GiB"
+
+
 # bytes per logit element at the peak of a pass, measured on SmolLM2 (benchmarks/memory.py): the logprob
 # pass keeps the compute-dtype logits, a float32 copy and logsumexp's float32 temporary; the training pass
 # also holds the float32 softmax gradient, the scattered target gradient and their cast

@@ -38,6 +38,7 @@ from rlfleet.memory.estimate import (
     GIB,
     ModelState,
     PassShape,
+    gib,
     logprob_peak,
     train_peak,
 )
@@ -182,9 +183,14 @@ def _available(cfg: MasterConfig, on_gpu: bool) -> int | None:
     return cpu_available_bytes()
 
 
+def switched_off(variable: str) -> bool:
+    """Whether the environment variable reads off (``0``, ``off``, ``false``, ``no``)."""
+    return os.environ.get(variable, "").lower() in ("0", "off", "false", "no")
+
+
 def check_enabled() -> bool:
     """False when ``RLFLEET_MEMORY_CHECK`` is off: no refusal, and unset budgets take the recipe's default."""
-    return os.environ.get(SKIP_ENV, "").lower() not in ("0", "off", "false", "no")
+    return not switched_off(SKIP_ENV)
 
 
 def parameter_counts(cfg: MasterConfig) -> tuple[int, int]:
@@ -438,10 +444,6 @@ def largest_fitting_tokens(
     return 256 * low
 
 
-def _gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
-
-
 def pass_tokens(cfg: MasterConfig, batching: ResolvedBatching) -> dict[str, int]:
     """Tokens of each pass's largest micro-batch under ``batching``."""
     return {pass_: batching.micro_batch_tokens(cfg.policy, pass_) for pass_ in PASSES}
@@ -492,14 +494,14 @@ def memory_problems(
     # on a CPU, say so: a recipe written for a GPU is refused here for want of one, not of memory
     where = "one GPU" if plan.on_gpu else "this machine (no CUDA GPU is visible: it would train on the CPU)"
     worst = max(plan.passes, key=lambda k: sum(plan.passes[k].values()))
-    parts = ", ".join(f"{k} {_gib(v)}" for k, v in plan.passes[worst].items())
+    parts = ", ".join(f"{k} {gib(v)}" for k, v in plan.passes[worst].items())
     fixes = _fixes(cfg, layout, parameters, trainable, algorithm, batching)
     return [
-        f"memory: the estimated peak, {_gib(plan.total())}, exceeds {round(100 * REFUSAL_SHARE)}% of the "
-        f"{_gib(plan.available)} available on {where} ({worst} pass of {plan.tokens[worst]:,} tokens per "
+        f"memory: the estimated peak, {gib(plan.total())}, exceeds {round(100 * REFUSAL_SHARE)}% of the "
+        f"{gib(plan.available)} available on {where} ({worst} pass of {plan.tokens[worst]:,} tokens per "
         f"micro-batch: {parts}"
         + (f"; x {plan.ranks_here} ranks" if plan.ranks_here > 1 else "")
-        + (f"; generation {_gib(sum(plan.generation.values()))}" if plan.generation else "")
+        + (f"; generation {gib(sum(plan.generation.values()))}" if plan.generation else "")
         + f"); fix: {' and/or '.join(fixes)} (or {SKIP_ENV}=off to try anyway)"
     ]
 

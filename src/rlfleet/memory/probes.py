@@ -53,15 +53,24 @@ def release_free_memory() -> bool:
     return True
 
 
-def _status_kib(field: str) -> int | None:
+def _status_bytes(pid: int | str, *fields: str) -> dict[str, int]:
+    """``fields`` of ``/proc/<pid>/status`` (``VmRSS``, ``VmHWM``...) in bytes; those it lacks, or all when
+    the process cannot be read (ended, or off Linux), are left out."""
+    found: dict[str, int] = {}
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+                key, _, value = line.partition(":")
+                if key in fields:
+                    found[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError):
+        return {}
+    return found
+
+
+def _status_kib(field: str) -> int | None:
+    value = _status_bytes("self", field).get(field)
+    return None if value is None else value // 1024
 
 
 def resident_bytes() -> int | None:
@@ -111,17 +120,14 @@ def descendants_resident_bytes() -> tuple[int, int] | None:
     now = peak = 0
     pids = descendant_pids()
     for pid in pids:
-        fields: dict[str, int] = {}
+        fields = _status_bytes(pid, "VmRSS", "VmHWM")
+        if not fields:
+            continue  # ended meanwhile, or not ours to read
         try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    key, _, value = line.partition(":")
-                    if key in ("VmRSS", "VmHWM"):
-                        fields[key] = int(value.split()[0]) * 1024
             with open(f"/proc/{pid}/clear_refs", "w") as f:
                 f.write("5")
-        except (OSError, ValueError):
-            continue  # ended meanwhile, or not ours to read
+        except OSError:
+            pass
         now += fields.get("VmRSS", 0)
         peak += fields.get("VmHWM", 0)
     return (now, peak) if pids else None
