@@ -119,6 +119,42 @@ def test_a_student_that_is_its_teacher_has_nothing_to_learn(tiny_model_dir: Path
     assert record["train/grad_norm"] == pytest.approx(0.0, abs=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("student_temperature", "teacher_temperature", "nothing_to_learn"),
+    [(0.7, 0.7, True), (0.7, 1.0, False), (1.0, 0.7, False)],
+)
+def test_a_student_that_is_its_teacher_matches_it_only_at_the_same_temperature(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    student_temperature: float,
+    teacher_temperature: float,
+    nothing_to_learn: bool,
+) -> None:
+    """The student is trained at the temperature it samples at (``policy.generation.temperature``, as
+    NeMo RL's student) and the teacher read at its own (``teacher.generation.temperature``): the same model
+    on both sides has nothing to learn exactly when the two are equal. (A student trained at 1.0, or a
+    teacher read at 1.0, whatever the recipe says, would find nothing to learn in every case.)"""
+    cfg = small_distillation_config(
+        tiny_model_dir,
+        tiny_model_dir,
+        tmp_path,
+        "distillation.max_num_steps=1",
+        "distillation.topk_logits_k=320",
+        "distillation.val_at_start=false",
+        "loss_fn.kl_type=mixed",
+        f"policy.generation.temperature={student_temperature}",
+        f"teacher.generation.temperature={teacher_temperature}",
+    )
+    Distillation(cfg).train()
+    (record,) = _train_records(tmp_path / "logs")
+    if nothing_to_learn:
+        assert record["train/loss"] == pytest.approx(0.0, abs=1e-5)
+        assert record["train/grad_norm"] == pytest.approx(0.0, abs=1e-4)
+    else:  # the tiny model's near-uniform logits tempered by 0.7 against 1.0: a KL of about 1.4e-3, two
+        # orders of magnitude above what rounding leaves at equal temperatures
+        assert record["train/loss"] > 1e-4 and record["train/grad_norm"] > 1e-3
+
+
 def test_killed_distillation_run_resumes_to_identical_weights_and_metrics(
     tiny_model_dir: Path, teacher_dir: Path, tmp_path: Path
 ) -> None:

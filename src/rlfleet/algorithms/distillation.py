@@ -118,12 +118,13 @@ class Distillation:
                 batch, self.teacher_batching, self.cfg.distillation.topk_logits_k
             )
         batch = batch.with_(teacher_topk_logprobs=logprobs, teacher_topk_ids=ids)
-        with timer("training"):
+        with timer("training"):  # the student read at the temperature it sampled at, as GRPO's update is
             train = policy.train(
                 batch,
                 self.loss_fn,
                 global_batch_size=self.cfg.policy.train_global_batch_size,
                 micro_batching=self.train_batching,
+                temperature=self.sampling.temperature,
             )
         with timer("refit"):
             self.backend.refit()

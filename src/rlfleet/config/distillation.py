@@ -8,8 +8,11 @@ from pydantic import Field
 
 from rlfleet.config.strict import Strict
 
-# The keys of a ``teacher:`` block a teacher reads; the rest of the ``policy`` schema (optimizer, scheduler,
-# generation, LoRA...) is there because NeMo RL's recipes copy the policy's block, and is not used.
+# The keys of a ``teacher:`` block a teacher reads: where it loads from, how it computes, and the temperature
+# its top-k is read at (NeMo RL divides a teacher's logits by its own ``generation.temperature``). The rest of
+# the ``policy`` schema (optimizer, scheduler, the other generation keys, LoRA...) is there because NeMo RL's
+# recipes copy the policy's block; a teacher is not trained and does not sample, so those keys may only hold
+# their default or the policy's value (a copy), and any other value is refused (``unused_teacher_keys``).
 TEACHER_KEYS = (
     "model_name",
     "gguf_file",
@@ -18,7 +21,11 @@ TEACHER_KEYS = (
     "precision",
     "logprob_batch_size",
     "logprob_chunk_size",
+    "generation.temperature",
 )
+# read by ``rlfleet plan`` (the teacher's weights beside the student) and by the checks (refused when set)
+TEACHER_PLAN_KEYS = ("architecture",)
+TEACHER_REFUSED_KEYS = ("dtensor_cfg.lora_cfg.enabled", "reward_model_cfg.enabled")
 
 
 class DistillationConfig(Strict):

@@ -6,9 +6,13 @@ load. Each problem names the key, the value, the constraint and a fix.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from rlfleet.config.schema import MasterConfig
+from rlfleet.config.distillation import TEACHER_KEYS, TEACHER_PLAN_KEYS, TEACHER_REFUSED_KEYS
+from rlfleet.config.embedded import GENERATED_MODELS
+from rlfleet.config.schema import MasterConfig, PolicyConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -26,6 +30,12 @@ def distillation_problems(cfg: MasterConfig, algorithm: str) -> list[str]:
             "NeMo RL's key); fix: teacher.model_name=<hub id or directory of the teacher> (e.g. a GRPO "
             "run's exported checkpoint)"
         ]
+    written_by = GENERATED_MODELS.get(str(Path(teacher.model_name)))
+    if written_by and not Path(teacher.model_name).is_dir():
+        problems.append(
+            f"teacher.model_name={teacher.model_name}: that model is not written yet; {written_by}; or set "
+            "teacher.model_name to a model of yours"
+        )
     if teacher.dtensor_cfg.lora_cfg.enabled:
         problems.append(
             "teacher.dtensor_cfg.lora_cfg.enabled=true: the teacher is not trained, so adapters on it would "
@@ -37,6 +47,7 @@ def distillation_problems(cfg: MasterConfig, algorithm: str) -> list[str]:
             "teacher.reward_model_cfg.enabled=true: a reward model has no vocabulary distribution to "
             "distil from; fix: teacher.reward_model_cfg.enabled=false"
         )
+    problems += unused_teacher_keys(cfg)
     d, batch = cfg.distillation, cfg.policy.train_global_batch_size
     samples = d.num_prompts_per_step * d.num_generations_per_prompt
     if samples % batch:
@@ -54,6 +65,46 @@ def distillation_problems(cfg: MasterConfig, algorithm: str) -> list[str]:
             "distillation.max_rollout_turns=3"
         )
     return problems
+
+
+def unused_teacher_keys(cfg: MasterConfig) -> list[str]:
+    """A problem for each key of the ``teacher:`` block that the teacher does not read and that holds neither
+    the schema's default nor the policy's value: NeMo RL's recipes copy the policy's block into the teacher's
+    (a copy passes), but a value set for the teacher alone would change nothing here, so it is refused
+    rather than ignored."""
+    if cfg.teacher is None:
+        return []
+    read = (*TEACHER_KEYS, *TEACHER_PLAN_KEYS, *TEACHER_REFUSED_KEYS)
+    default, policy = _leaves(PolicyConfig().model_dump()), _leaves(cfg.policy.model_dump())
+    problems = []
+    for key, value in _leaves(cfg.teacher.model_dump()).items():
+        if any(key == k or key.startswith(k + ".") for k in read):
+            continue
+        if value in (default.get(key), policy.get(key)):
+            continue
+        why = (
+            "the teacher does not sample (it scores the student's samples at teacher.generation.temperature)"
+            if key.startswith("generation.")
+            else "the teacher is frozen and computes in one process or one Ray actor of its own"
+        )
+        reads = ", ".join(TEACHER_KEYS)
+        problems.append(
+            f"teacher.{key}={value!r}: not used: {why}; a teacher reads teacher.{{{reads}}}, and other keys "
+            f"are accepted at their default or at the policy's value ({policy.get(key)!r}, a copy of NeMo "
+            f"RL's policy block); fix: remove teacher.{key} from the recipe"
+        )
+    return problems
+
+
+def _leaves(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a.b": value}`` for every leaf of a nested mapping (a ``model_dump``)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:

