@@ -1,7 +1,12 @@
 import pytest
 import torch
 
-from rlfleet.algorithms.advantages import baseline_and_std, group_advantages, zero_variance_fraction
+from rlfleet.algorithms.advantages import (
+    baseline_and_std,
+    group_advantages,
+    signal_metrics,
+    zero_variance_fraction,
+)
 
 
 def test_leave_one_out_baseline_by_hand():
@@ -98,3 +103,20 @@ def test_shaped_rewards_blow_up_the_leave_one_out_std_and_the_group_std_bounds_t
     noisy = torch.rand(64, generator=torch.Generator().manual_seed(1)) ** 8  # many near-ties
     bounded = group_advantages(noisy, 8, leave_one_out=True, normalize=True, std_over="group")
     assert bounded.abs().max() <= 8**0.5
+
+
+def test_signal_metrics_say_which_groups_the_advantages_come_from():
+    """Two groups of 4: one all wrong whose overlong penalties differ slightly, one with a right answer.
+    Normalised by each group's std, the all-wrong group weighs as much as the other; without the std its
+    share is what its reward differences are."""
+    correct = torch.tensor([False, False, False, False, True, False, False, False])
+    rewards = torch.tensor([0.0, -0.02, -0.01, 0.0, 1.0, 0.0, 0.0, 0.0])
+    normalised = group_advantages(rewards, 4, leave_one_out=False, normalize=True, std_over="group")
+    raw = group_advantages(rewards, 4, leave_one_out=False, normalize=False)
+    by_std = signal_metrics(correct, normalised, 4)
+    assert by_std["correctness_signal_groups"] == 0.5
+    assert by_std["advantage_share_without_correct"] == pytest.approx(0.5, abs=0.05)
+    plain = signal_metrics(correct, raw, 4)
+    assert plain["advantage_share_without_correct"] == pytest.approx(0.03 / (0.03 + 1.5), rel=1e-4)
+    nothing = signal_metrics(correct, torch.zeros(8), 4)
+    assert nothing == {"correctness_signal_groups": 0.5, "advantage_share_without_correct": 0.0}

@@ -104,3 +104,25 @@ def group_advantages(
 def zero_variance_fraction(rewards: torch.Tensor, group_size: int) -> float:
     """Fraction of groups whose rewards are all equal (they carry no learning signal)."""
     return float(flat_groups(rewards, group_size).float().mean())
+
+
+def signal_metrics(correct: torch.Tensor, advantages: torch.Tensor, group_size: int) -> dict[str, float]:
+    """Where a step's learning signal comes from, by the verifier's verdicts ``correct`` ``[P * G]`` (bool)
+    and the advantages trained on ``[P * G]``:
+
+    - ``correctness_signal_groups``: the share of groups holding both a right and a wrong sample, the only
+      groups whose advantages say which answers are right;
+    - ``advantage_share_without_correct``: the share of the step's total ``|advantage|`` that comes from
+      groups without a right sample, where only reward shaping (an overlong penalty) tells samples apart.
+      Normalised by a group's std, a length difference of a few tokens there weighs as much as a right
+      answer elsewhere.
+    """
+    right = by_group(correct.float(), group_size)
+    mixed = (right.amax(dim=1) > 0) & (right.amin(dim=1) == 0)  # [P]
+    weight = by_group(advantages.abs(), group_size).sum(dim=1)  # [P]
+    total = float(weight.sum())
+    without = float(weight[right.amax(dim=1) == 0].sum())
+    return {
+        "correctness_signal_groups": float(mixed.float().mean()),
+        "advantage_share_without_correct": without / total if total > 0 else 0.0,
+    }
