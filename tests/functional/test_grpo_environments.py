@@ -108,6 +108,7 @@ def test_the_tools_environment_on_the_calculator_task(tiny_model_dir: Path, tmp_
         "grpo.max_rollout_turns=3",
         "policy.max_total_sequence_length=200",
         "eval.max_val_samples=4",
+        "eval.max_rollout_turns=3",  # eval's own turn count (it reads no algorithm's)
     ]
     _, records = train(tiny_model_dir, tmp_path, *keys, *TWO_STEPS)
     assert records[-1]["step"] == 2 and "train/tool_calls_per_episode" in records[-1]

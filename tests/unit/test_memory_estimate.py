@@ -440,7 +440,9 @@ def test_the_vllm_engine_estimate_holds_its_measured_processes(
     tokenizer)."""
     _machine(monkeypatch, 64)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    cfg = load_recipe(resolve_recipe_path(recipe), ["policy.generation.backend=vllm"])
+    # measured in bf16: pinned, since `precision: auto` is float32 on a CPU without native bf16 (AVX2)
+    overrides = ["policy.generation.backend=vllm", "policy.precision=bfloat16"]
+    cfg = load_recipe(resolve_recipe_path(recipe), overrides)
     layout, n = resource_layout(cfg), count_parameters(cfg.policy.architecture)
     parts = memory_plan(cfg, layout, n, n, tokens={"train": 4096, "logprob": 4096}).generation
     in_worker = (

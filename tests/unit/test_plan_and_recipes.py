@@ -17,6 +17,7 @@ from rlfleet.config import (
     shipped_recipe_names,
 )
 from rlfleet.config.checks import layout_problems
+from rlfleet.config.embedded import GENERATED_MODELS
 from rlfleet.config.layout import resource_layout
 from rlfleet.memory.planner import count_parameters
 from rlfleet.memory.report import make_plan
@@ -36,6 +37,9 @@ def test_every_shipped_recipe_validates() -> None:
         written = (
             ["data.train_data_path=p.jsonl", "data.val_data_path=p.jsonl"] if name.startswith("rm-") else []
         )
+        teacher = load_recipe(resolve_recipe_path(name), []).teacher
+        if teacher is not None and teacher.model_name in GENERATED_MODELS:  # a teacher a run exports
+            written.append("teacher.model_name=t")
         check_config(load_recipe(resolve_recipe_path(name), [*tiny, *written]), recipe_algorithm(name))
 
 

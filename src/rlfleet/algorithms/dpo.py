@@ -83,6 +83,7 @@ class DPO:
             max_num_steps=dpo.max_num_steps,
             max_num_epochs=dpo.max_num_epochs,
             pairs=self.source,
+            max_turns=dpo.max_rollout_turns,
         )
         self.val_pairs: list[PreferencePair] = []
         if not self.source.sampled:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rlfleet.config import ConfigError, MasterConfig
 from rlfleet.config.capabilities import uses_ray
+from rlfleet.config.checks import rollout_turn_problems
 from rlfleet.config.layout import resource_layout
 from rlfleet.data import load_task, resolve_system_prompt
 from rlfleet.environments.runner import EnvRunner
@@ -69,7 +70,8 @@ class EvalReport:
 def run_eval(
     cfg: MasterConfig, checkpoint: Path | None = None, samples_path: Path | None = None
 ) -> EvalReport:
-    """Generates ``eval.num_tests_per_prompt`` responses per validation prompt and scores them; with
+    """Generates ``eval.num_tests_per_prompt`` responses per validation prompt (episodes of at most
+    ``eval.max_rollout_turns`` model turns) and scores them; with
     ``samples_path``, writes every scored response there as JSON lines (``prompt``, ``response``, ``gold``,
     ``reward``, groups in order), so a user can read why a model scores what it scores."""
     start = time.perf_counter()
@@ -80,6 +82,10 @@ def run_eval(
             "replies with it (data.env_name=reward_model, env.reward_model.model_name=<export dir>)"
         )
     eval_cfg, gen = cfg.eval, cfg.policy.generation
+    turns = eval_cfg.max_rollout_turns
+    problems = rollout_turn_problems(cfg, turns, "eval.max_rollout_turns")
+    if problems:
+        raise ConfigError(problems)
     examples = load_task(cfg.data)  # every data row checked before the model loads
     layout = resource_layout(cfg)
     rows, on_ray = [*examples[0], *examples[1]], uses_ray(cfg, layout=layout)
@@ -96,7 +102,7 @@ def run_eval(
         n, greedy = eval_cfg.num_tests_per_prompt, eval_cfg.num_tests_per_prompt == 1
         params = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k, greedy=greedy)
         system_prompt = resolve_system_prompt(cfg.data)
-        episodes = build_episode_runner(cfg, backend, policy.tokenizer, runners, system_prompt)
+        episodes = build_episode_runner(cfg, backend, policy.tokenizer, runners, system_prompt, turns)
         rollouts = episodes.run(prompts, n, params, eval_cfg.seed).rollouts
     finally:
         close_runners(runners)

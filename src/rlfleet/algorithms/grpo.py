@@ -40,9 +40,10 @@ from typing import Any
 
 import torch
 
-from rlfleet.algorithms.advantages import group_advantages, zero_variance_fraction
+from rlfleet.algorithms.advantages import group_advantages, signal_metrics, zero_variance_fraction
 from rlfleet.algorithms.overlong import OverlongShaping, mask_truncated
 from rlfleet.config import MasterConfig, check_config, ensure_runnable
+from rlfleet.config.algorithm_settings import algorithm_settings
 from rlfleet.config.batching import ResolvedBatching
 from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.resolved import truncation_type
@@ -139,11 +140,12 @@ class GRPO:
             cfg,
             layout,
             seed=grpo.seed,
-            keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0,
+            keep_reference=algorithm_settings(cfg, "grpo").keeps_reference,  # as the memory plan counts it
             max_val_samples=grpo.max_val_samples,
             batch_size=self.settings.prompts_per_round,
             max_num_steps=grpo.max_num_steps,
             max_num_epochs=grpo.max_num_epochs,
+            max_turns=grpo.max_rollout_turns,
         )
         self.collect = GroupCollector(
             self.ctx.episodes,
@@ -184,6 +186,9 @@ class GRPO:
                     normalize=self.cfg.grpo.normalize_rewards,
                     std_over=self.cfg.grpo.advantage_std,
                 )
+                correct = torch.tensor([r.correct for r in rollouts])
+                signal = signal_metrics(correct, advantages, self.settings.group_size)
+                metrics.update({f"train/{key}": value for key, value in signal.items()})
                 trainable = self._masked_batch(rollouts, advantages)
                 update = self._update(trainable, timer) if trainable is not None else None
             self._finish_prefetch(timer)

@@ -66,6 +66,7 @@ class SFT:
             batch_size=cfg.policy.train_global_batch_size,
             max_num_steps=sft.max_num_steps,
             max_num_epochs=sft.max_num_epochs,
+            max_turns=sft.max_rollout_turns,  # the validation's episodes
         )
 
     def step(self) -> dict[str, float]:

@@ -24,8 +24,8 @@ import difflib
 import importlib.util
 import math
 from pathlib import Path
-from typing import Literal
 
+from rlfleet.config.algorithm_settings import Algorithm, algorithm_settings
 from rlfleet.config.backends import BACKENDS, GenerationBackendInfo, backend_of
 from rlfleet.config.batching import PASSES, budget_key, recipe_budget, token_budget_section
 from rlfleet.config.capabilities import needs_several_processes, uses_ray
@@ -44,11 +44,10 @@ __all__ = [
     "check_config",
     "ensure_runnable",
     "layout_problems",
+    "rollout_turn_problems",
     "section_problems",
     "unsupported_settings",
 ]
-
-Algorithm = Literal["grpo", "sft", "dpo", "rm", "distillation"]
 
 # ------------------------------------------------------------------------------------------- entry points
 
@@ -79,9 +78,8 @@ def check_config(cfg: MasterConfig, algorithm: Algorithm, *, layout: ResourceLay
     problems += _batch_problems(cfg, algorithm)
     problems += _micro_batching_problems(cfg)
     problems += preference_problems(cfg, algorithm, layout)
-    problems += distillation_problems(cfg, algorithm)  # with its own distillation.max_rollout_turns
-    if algorithm != "distillation":
-        problems += _rollout_turn_problems(cfg)
+    problems += distillation_problems(cfg, algorithm)
+    problems += _rollout_turn_problems(cfg, algorithm)
     if algorithm == "grpo":
         problems += _length_problems(cfg) + _baseline_problems(cfg)
         problems += _loss_problems(cfg) + _dapo_problems(cfg) + _async_problems(cfg)
@@ -183,16 +181,25 @@ def _divisors_near(number: int, target: int, multiple_of: int = 1, count: int = 
     return sorted(sorted(preferred, key=lambda d: (abs(d - target), d))[:count])
 
 
-def _rollout_turn_problems(cfg: MasterConfig) -> list[str]:
-    """The episodes' turns (``grpo.max_rollout_turns``, which every algorithm but distillation rolls out
-    with, in training or validation) against the environment."""
-    if cfg.data.env_name == "tools" and cfg.grpo.max_rollout_turns < 2:
-        return [
-            "grpo.max_rollout_turns: the tools environment answers a tool call in the next turn, so with "
-            "grpo.max_rollout_turns=1 no call would ever get its result; fix: grpo.max_rollout_turns=3 (a "
-            "call, maybe a second, the answer)"
-        ]
-    return []
+def _rollout_turn_problems(cfg: MasterConfig, algorithm: Algorithm) -> list[str]:
+    """The turns of ``algorithm``'s episodes (in training or validation; its own ``max_rollout_turns``)
+    against the environment; nothing for an algorithm that samples nothing."""
+    run = algorithm_settings(cfg, algorithm)
+    if run.rollout_turns is None or run.turns_key is None:
+        return []
+    return rollout_turn_problems(cfg, run.rollout_turns, run.turns_key)
+
+
+def rollout_turn_problems(cfg: MasterConfig, turns: int, key: str) -> list[str]:
+    """Episodes of ``turns`` model turns (set by ``key``) against the default environment
+    (``data.env_name``): the tools environment answers a tool call in the next turn, so it needs two at
+    least."""
+    if cfg.data.env_name != "tools" or turns >= 2:
+        return []
+    return [
+        f"{key}: the tools environment answers a tool call in the next turn, so with {key}={turns} no "
+        f"call would ever get its result; fix: {key}=3 (a call, maybe a second, the answer)"
+    ]
 
 
 def _batch_problems(cfg: MasterConfig, algorithm: Algorithm) -> list[str]:

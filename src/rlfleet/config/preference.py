@@ -41,6 +41,12 @@ class DPOConfig(Strict):
 
     max_num_steps: int = Field(150, ge=0)
     max_num_epochs: int = Field(1, ge=1)
+    max_rollout_turns: int = Field(
+        1,
+        ge=1,
+        description="Model turns per episode of its own samples (dpo.sampled_pairs) and of validation on a "
+        "task (environments that answer tool calls need several).",
+    )
     val_period: int = Field(25, ge=0)
     val_batches: int = Field(8, ge=1, description="Validation batches of preference pairs.")
     val_global_batch_size: int = Field(8, ge=1, description="Pairs per validation batch.")

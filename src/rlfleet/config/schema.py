@@ -94,6 +94,11 @@ class SFTConfig(Strict):
 
     max_num_steps: int = Field(100, ge=0)
     max_num_epochs: int = Field(1, ge=1)
+    max_rollout_turns: int = Field(
+        1,
+        ge=1,
+        description="Model turns per validation episode (environments that answer tool calls need several).",
+    )
     val_period: int = Field(10, ge=0)
     val_at_start: bool = True
     val_at_end: bool = True
@@ -696,6 +701,9 @@ class EvalConfig(Strict):
     num_tests_per_prompt: int = Field(1, ge=1, description="Samples per prompt (1 = greedy decoding).")
     pass_k_value: int = Field(1, ge=1, description="k of pass@k; <= num_tests_per_prompt.")
     max_val_samples: int | None = Field(None, ge=1, description="Validation prompts (first N); all if null.")
+    max_rollout_turns: int = Field(
+        1, ge=1, description="Model turns per episode (environments that answer tool calls need several)."
+    )
     seed: int = 42
 
 
@@ -732,8 +740,10 @@ class MasterConfig(Strict):
     teacher: PolicyConfig | None = Field(
         None,
         description="Distillation: the teacher, in the policy's schema (NeMo RL's teacher: block). It reads "
-        "model_name, gguf_file, tokenizer.name, precision, logprob_batch_size and logprob_chunk_size; the "
-        "rest is not used (a teacher is not trained, does not generate and sees the student's sequences).",
+        "model_name, gguf_file, tokenizer.name, tokenizer.chat_template, precision, logprob_batch_size, "
+        "logprob_chunk_size and generation.temperature (its top-k is read from its logits divided by it, as "
+        "NeMo RL's); any other key must hold its default or the policy's value (a copied block), else it is "
+        "refused: a teacher is not trained, does not sample and sees the student's sequences.",
     )
     data: DataConfig = DataConfig()
     env: EnvConfig = EnvConfig()

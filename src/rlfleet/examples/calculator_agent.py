@@ -24,7 +24,7 @@ from rlfleet.environments.tools import (
 from rlfleet.rewards import math_reward
 
 TOOLS = [calculator_tool().schema()]
-MAX_TURNS = 3  # grpo.max_rollout_turns of the tools recipe
+MAX_TURNS = 3  # grpo.max_rollout_turns (and eval.max_rollout_turns) of the tools recipe
 MAX_TOOL_CALLS = 2  # env.tools.max_tool_calls of the tools recipe
 
 

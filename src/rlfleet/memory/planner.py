@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from rlfleet.config.algorithm_settings import Algorithm, AlgorithmSettings, algorithm_settings
 from rlfleet.config.backends import backend_of
 from rlfleet.config.batching import (
     PASSES,
@@ -27,7 +28,6 @@ from rlfleet.config.batching import (
     token_budget_section,
 )
 from rlfleet.config.capabilities import uses_ray
-from rlfleet.config.checks import Algorithm
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.resolved import policy_precision, teacher_precision
@@ -70,14 +70,6 @@ REFUSAL_SHARE = 0.9
 # RLFLEET_MEMORY_CHECK=off runs a layout whose estimate exceeds the machine's memory (the estimate is not
 # exact; a user who knows better may try)
 SKIP_ENV = "RLFLEET_MEMORY_CHECK"
-# the passes each algorithm runs (SFT and reward models have no logprob pass)
-ALGORITHM_PASSES: dict[Algorithm, tuple[Pass, ...]] = {
-    "grpo": PASSES,
-    "sft": ("train",),
-    "dpo": PASSES,
-    "rm": ("train",),
-    "distillation": PASSES,  # the logprob pass's budget is the teacher's top-k pass
-}
 
 
 @dataclass(frozen=True)
@@ -110,6 +102,12 @@ class MemoryPlan:
     def total(self) -> float:
         """The peak of everything that shares the memory ``available`` measures."""
         return self.ranks_here * self.rank_peak() + sum(self.generation.values())
+
+
+def algorithm_passes(run: AlgorithmSettings) -> tuple[Pass, ...]:
+    """The passes an algorithm runs: SFT and reward models have no logprob pass (distillation's is the
+    teacher's top-k pass)."""
+    return PASSES if run.logprob_rows is not None else ("train",)
 
 
 def count_parameters(a: ArchitectureConfig) -> int:
@@ -217,7 +215,7 @@ def resolve_batching(
         return ResolvedBatching(None)
     layout = layout if layout is not None else resource_layout(cfg)
     budgets = {}
-    for pass_ in ALGORITHM_PASSES[algorithm]:
+    for pass_ in algorithm_passes(algorithm_settings(cfg, algorithm)):
         fitted = None
         if set_budget(cfg.policy, section, pass_) is None:
             fitted = fitted_budget(cfg, layout, pass_, algorithm)
@@ -239,26 +237,27 @@ def fitted_budget(
     best = largest_fitting_tokens(cfg, layout, *parameter_counts(cfg), pass_, algorithm)
     if best is None or best < p.max_total_sequence_length:
         return None
-    tokens = min(best, whole_share_tokens(cfg, layout, pass_))
-    return TokenBudget(tokens, budget_basis(cfg, layout, pass_, tokens), fitted=True)
+    tokens = min(best, whole_share_tokens(cfg, layout, pass_, algorithm))
+    return TokenBudget(tokens, budget_basis(cfg, layout, pass_, tokens, algorithm), fitted=True)
 
 
-def whole_share_tokens(cfg: MasterConfig, layout: ResourceLayout, pass_: Pass) -> int:
+def whole_share_tokens(cfg: MasterConfig, layout: ResourceLayout, pass_: Pass, algorithm: Algorithm) -> int:
     """Tokens of one training rank's whole share of a ``pass_``'s rows at the sequence budget (at least one
-    sequence): no budget larger than that can fill a micro-batch."""
-    p = cfg.policy
-    rows = (
-        p.train_global_batch_size
-        if pass_ == "train"
-        else cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
-    )
-    return max(-(-rows // layout.train_world), 1) * p.max_total_sequence_length
+    sequence): no budget larger than that can fill a micro-batch. The rows are ``algorithm``'s: an optimizer
+    step's for the training pass, the step's scored sequences for the logprob pass."""
+    run = algorithm_settings(cfg, algorithm)
+    rows = run.update_rows if pass_ == "train" else run.logprob_rows
+    if rows is None:
+        raise ValueError(f"{algorithm} has no {pass_} pass")
+    return max(-(-rows // layout.train_world), 1) * cfg.policy.max_total_sequence_length
 
 
-def budget_basis(cfg: MasterConfig, layout: ResourceLayout, pass_: Pass, tokens: int) -> str:
+def budget_basis(
+    cfg: MasterConfig, layout: ResourceLayout, pass_: Pass, tokens: int, algorithm: Algorithm
+) -> str:
     """Why ``fitted_budget`` chose ``tokens``: the whole share of the batch (a micro-batch can hold no
     more, and it fits), or the largest that fits this machine with headroom."""
-    if tokens >= whole_share_tokens(cfg, layout, pass_):
+    if tokens >= whole_share_tokens(cfg, layout, pass_, algorithm):
         return "a rank's whole share of the batch, which fits this machine's memory"
     return "the largest that fits this machine's memory with headroom"
 
@@ -271,10 +270,9 @@ def model_state(
     sharded = uses_ray(cfg, layout=layout)
     world = layout.train_world if sharded else 1
     layers = cfg.policy.architecture.num_hidden_layers if cfg.policy.architecture else 1
-    keeps_reference = algorithm == "dpo" or (
-        algorithm == "grpo" and cfg.loss_fn.reference_policy_kl_penalty > 0
-    )
-    reference = keeps_reference and not cfg.policy.dtensor_cfg.lora_cfg.enabled
+    run = algorithm_settings(cfg, algorithm)
+    # LoRA's reference is the policy with its adapters off: no second copy
+    reference = run.keeps_reference and not cfg.policy.dtensor_cfg.lora_cfg.enabled
     if compute == 4:
         copies = 0.0
     elif sharded:  # FSDP2 all-gathers one layer in the compute dtype, and prefetches the next
@@ -289,16 +287,16 @@ def model_state(
         reference=(compute if sharded else 4) * parameters / world if reference else 0.0,
         compute_copies=copies,
         # one process: the teacher beside the student; on Ray it is an actor of its own (``_teacher_actor``)
-        teacher=teacher_bytes(cfg) if algorithm == "distillation" and not sharded else 0.0,
+        teacher=teacher_bytes(cfg) if run.has_teacher and not sharded else 0.0,
     )
 
 
 def _teacher_actor(
-    cfg: MasterConfig, layout: ResourceLayout, on_gpu: bool, algorithm: Algorithm
+    cfg: MasterConfig, layout: ResourceLayout, on_gpu: bool, run: AlgorithmSettings
 ) -> dict[str, float]:
     """A Ray run's distillation teacher: its actor's weights and process on this machine's CPU memory
     (nothing on a GPU cluster, where it holds a GPU of its own)."""
-    if algorithm != "distillation" or on_gpu or not uses_ray(cfg, layout=layout):
+    if not run.has_teacher or on_gpu or not uses_ray(cfg, layout=layout):
         return {}
     return {"teacher actor weights": teacher_bytes(cfg), "teacher actor process": CPU_PROCESS_BYTES}
 
@@ -343,10 +341,10 @@ def _generation(cfg: MasterConfig, layout: ResourceLayout, parameters: int, on_g
     }
 
 
-def _environment_workers(cfg: MasterConfig, on_gpu: bool, algorithm: Algorithm) -> dict[str, float]:
+def _environment_workers(cfg: MasterConfig, on_gpu: bool, run: AlgorithmSettings) -> dict[str, float]:
     """The worker processes of the recipe's default environment (``data.env_name``) and their forkserver, on
-    this machine's CPU memory (none for a reward model's run, which scores nothing, or on a GPU's)."""
-    if on_gpu or algorithm == "rm":
+    this machine's CPU memory (none for a run that samples nothing, a reward model's, or on a GPU's)."""
+    if on_gpu or not run.samples:
         return {}
     name = cfg.data.env_name
     section = cfg.env.custom().get(name) or getattr(cfg.env, name, None)
@@ -381,6 +379,7 @@ def memory_plan(
     allocator = allocator or running_allocator()
     arch = cfg.policy.architecture
     assert arch is not None, "memory_plan needs policy.architecture"
+    run = algorithm_settings(cfg, algorithm)
     state = model_state(cfg, layout, parameters, trainable, algorithm)
     if tokens is None:
         tokens = pass_tokens(cfg, resolve_batching(cfg, layout, algorithm))
@@ -396,7 +395,7 @@ def memory_plan(
             trains_output_layer=trainable == parameters,  # LoRA freezes it
         ),
     }
-    if "logprob" not in ALGORITHM_PASSES[algorithm]:
+    if "logprob" not in algorithm_passes(run):
         del passes["logprob"], sizes["logprob"]
     return MemoryPlan(
         on_gpu=on_gpu,
@@ -404,9 +403,9 @@ def memory_plan(
         tokens=sizes,
         ranks_here=1 if on_gpu else layout.train_world,
         generation={
-            **(_generation(cfg, layout, parameters, on_gpu) if algorithm != "rm" else {}),
-            **_teacher_actor(cfg, layout, on_gpu, algorithm),
-            **_environment_workers(cfg, on_gpu, algorithm),
+            **(_generation(cfg, layout, parameters, on_gpu) if run.samples else {}),
+            **_teacher_actor(cfg, layout, on_gpu, run),
+            **_environment_workers(cfg, on_gpu, run),
         },
         available=_available(cfg, on_gpu),
         allocator=allocator,
@@ -458,7 +457,7 @@ def _fixes(
     batching: ResolvedBatching,
 ) -> list[str]:
     p, fixes = cfg.policy, []
-    for pass_ in ALGORITHM_PASSES[algorithm]:
+    for pass_ in algorithm_passes(algorithm_settings(cfg, algorithm)):
         best = largest_fitting_tokens(cfg, layout, parameters, trainable, pass_, algorithm)
         if best is not None and best < batching.micro_batch_tokens(p, pass_):
             if batching.section is not None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlfleet.config.algorithm_settings import Algorithm, AlgorithmSettings, algorithm_settings
 from rlfleet.config.backends import backend_of
 from rlfleet.config.batching import ResolvedBatching
 from rlfleet.config.capabilities import uses_ray
-from rlfleet.config.checks import Algorithm, layout_problems, unsupported_settings
+from rlfleet.config.checks import layout_problems, unsupported_settings
 from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.layout import ResourceLayout, resource_layout
 from rlfleet.config.preference import PREFERENCE_DATASETS
@@ -43,7 +44,7 @@ from rlfleet.memory.planner import (
 @dataclass(frozen=True)
 class Plan:
     layout: ResourceLayout
-    samples_per_step: int
+    samples_per_step: int  # the sequences one step trains on (a pair is two)
     optimizer_steps_per_step: int
     micro_batches_per_optimizer_step: int
     parameters: int | None
@@ -53,7 +54,8 @@ class Plan:
     gen_engine: str | None  # the vLLM engine's settings in one line; None with the HF backend
     batching: ResolvedBatching  # the token budgets the run would use on this machine, with why
     optimizer_state_bytes: int  # per trained parameter (AdamW: m and v in float32)
-    algorithm: Algorithm = "grpo"  # what the plan is for (the recipe's name says: grpo-, sft-, dpo-, rm-...)
+    algorithm: Algorithm  # what the plan is for (the recipe's name says: grpo-, sft-, dpo-, rm-...)
+    run: AlgorithmSettings  # what the plan needs of that algorithm's section
 
     def training_memory_gib(self) -> dict[str, float]:
         if self.parameters is None:
@@ -71,9 +73,7 @@ class Plan:
 def make_plan(cfg: MasterConfig, algorithm: Algorithm = "grpo") -> tuple[Plan, list[str]]:
     layout = resource_layout(cfg)
     problems = layout_problems(cfg, layout)
-    g, p = cfg.grpo, cfg.policy
-    sampler = cfg.distillation if algorithm == "distillation" else g
-    samples = sampler.num_prompts_per_step * sampler.num_generations_per_prompt
+    p, run = cfg.policy, algorithm_settings(cfg, algorithm)
     arch = p.architecture
     parameters = count_parameters(arch) if arch is not None else None
     trainable = parameters
@@ -87,8 +87,8 @@ def make_plan(cfg: MasterConfig, algorithm: Algorithm = "grpo") -> tuple[Plan, l
             trainable = None
     plan = Plan(
         layout=layout,
-        samples_per_step=samples,
-        optimizer_steps_per_step=max(samples // p.train_global_batch_size, 1),
+        samples_per_step=run.step_rows,
+        optimizer_steps_per_step=max(run.step_rows // run.update_rows, 1),
         micro_batches_per_optimizer_step=max(
             p.train_global_batch_size // max(layout.train_dp * p.train_micro_batch_size, 1), 1
         ),
@@ -99,6 +99,7 @@ def make_plan(cfg: MasterConfig, algorithm: Algorithm = "grpo") -> tuple[Plan, l
         gen_engine=vllm_engine_summary(cfg, layout=layout) if backend_of(layout).reads_vllm_cfg else None,
         batching=resolve_batching(cfg, layout, algorithm),
         algorithm=algorithm,
+        run=run,
         optimizer_state_bytes=OPTIMIZER_STATE_BYTES[p.optimizer.name],
     )
     return plan, problems
@@ -135,7 +136,7 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
         "training",
         f"{_gpus(cfg, lay.train_nodes, lay.train_gpus_per_node)}: TP {lay.train_tp} x DP {lay.train_dp}",
     )
-    if plan.algorithm == "rm":  # a reward model: training ranks alone
+    if not plan.run.samples:  # a reward model: training ranks alone
         workers = (
             f"Ray: {lay.train_world} training actor(s) in {lay.train_nodes} placement group(s)"
             if uses_ray(cfg, layout=lay)
@@ -170,9 +171,11 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
 
 
 def _step_rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
-    """What one step of ``plan.algorithm`` draws and how its optimizer steps split it."""
-    p, g = cfg.policy, cfg.grpo
+    """What one step of ``plan.algorithm`` draws and how its optimizer steps split it (each branch reads its
+    own algorithm's section)."""
+    p = cfg.policy
     if plan.algorithm == "grpo":
+        g = cfg.grpo
         return [
             (
                 "samples per step",
@@ -204,17 +207,17 @@ def _step_rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
             ("examples per step", f"{p.train_global_batch_size} (one optimizer step)"),
             ("per update", _micro_batches(cfg, plan)),
         ]
-    sampled = cfg.dpo.sampled_pairs
-    source = (
-        f"the dataset ({cfg.data.dataset_name})"
-        if cfg.data.dataset_name in PREFERENCE_DATASETS or plan.algorithm == "rm"
-        else f"the model's own samples: {sampled.num_generations_per_prompt} per prompt, best vs worst, up "
-        f"to {sampled.max_rounds} round(s) of {p.train_global_batch_size} prompts"
-    )
+    source = f"the dataset ({cfg.data.dataset_name})"
+    if plan.algorithm == "dpo" and cfg.data.dataset_name not in PREFERENCE_DATASETS:
+        sampled = cfg.dpo.sampled_pairs
+        source = (
+            f"the model's own samples: {sampled.num_generations_per_prompt} per prompt, best vs worst, up "
+            f"to {sampled.max_rounds} round(s) of {p.train_global_batch_size} prompts"
+        )
     return [
         (
             "pairs per step",
-            f"{p.train_global_batch_size} = {2 * p.train_global_batch_size} rows (chosen, rejected), one "
+            f"{p.train_global_batch_size} = {plan.samples_per_step} rows (chosen, rejected), one "
             "optimizer step",
         ),
         ("pairs from", source),
@@ -265,7 +268,13 @@ def _jemalloc_hint(cfg: MasterConfig, plan: Plan, glibc_train: dict[str, float],
     assert plan.parameters is not None
     tokens = pass_tokens(cfg, plan.batching)
     on_jemalloc = memory_plan(
-        cfg, plan.layout, plan.parameters, trainable, tokens=tokens, allocator="jemalloc"
+        cfg,
+        plan.layout,
+        plan.parameters,
+        trainable,
+        tokens=tokens,
+        algorithm=plan.algorithm,
+        allocator="jemalloc",
     )
     saved = (sum(glibc_train.values()) - sum(on_jemalloc.passes["train"].values())) / GIB
     return f"    {'':<22}jemalloc would cut the train pass peak by {saved:.1f} GiB: " + how_to_get_jemalloc(
@@ -302,7 +311,7 @@ def _memory_lines(cfg: MasterConfig, plan: Plan) -> list[str]:
     if mem.generation:  # a CPU vLLM engine, a teacher actor, environment workers
         detail = ", ".join(f"{k} {v / GIB:.2f}" for k, v in mem.generation.items())
         lines.append(f"  {'beside the ranks':<20}{sum(mem.generation.values()) / GIB:.1f} GiB ({detail})")
-    if plan.algorithm != "rm" and (mem.on_gpu or not backend.own_memory):  # an engine not counted above
+    if plan.run.samples and (mem.on_gpu or not backend.own_memory):  # an engine not counted above
         gen_precision = generation_precision(cfg, lay)
         gen_weights = plan.parameters * BYTES[gen_precision] / lay.gen_tp / GIB
         where = "per generation GPU" if mem.on_gpu else "generation"
@@ -331,7 +340,7 @@ def _memory_lines(cfg: MasterConfig, plan: Plan) -> list[str]:
     lines += [f"  {'':<20}{problem}" for problem in problems]
     section = plan.batching.section
     if section is not None:
-        best = largest_fitting_tokens(cfg, lay, plan.parameters, trainable, "train")
+        best = largest_fitting_tokens(cfg, lay, plan.parameters, trainable, "train", plan.algorithm)
         lines.append(
             f"  {'largest budget':<20}policy.{section}.train_mb_tokens={best} fits with "
             f"{100 - round(100 * BUDGET_HEADROOM)}% headroom"

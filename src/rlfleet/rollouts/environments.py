@@ -247,15 +247,15 @@ def build_episode_runner(
     tokenizer: PreTrainedTokenizerBase,
     runners: Mapping[str, EnvRunner],
     system_prompt: str | None,
-    max_turns: int | None = None,
+    max_turns: int,
 ) -> EpisodeRunner:
-    """The run's episodes; ``max_turns`` (the algorithm's ``max_rollout_turns``) defaults to GRPO's."""
+    """The run's episodes of at most ``max_turns`` model turns (the caller's own ``max_rollout_turns``)."""
     return EpisodeRunner(
         backend,
         tokenizer,
         runners,
         default_env=cfg.data.env_name,
-        max_turns=max_turns if max_turns is not None else cfg.grpo.max_rollout_turns,
+        max_turns=max_turns,
         max_seq_len=cfg.policy.max_total_sequence_length,
         system_prompt=system_prompt,
     )

@@ -7,7 +7,7 @@ Each turn, every running episode's context (its prompt, then every token so far)
 samples the model's turn, stopping at EOS or at a stop string the environment asked for (``</tool_call>``);
 the environment's :meth:`~rlfleet.environments.EnvironmentInterface.step` reads the turn and answers; the
 answer (a ``tool`` or ``user`` message) is rendered with the chat template and its tokens appended. An episode
-ends when its environment says so, at ``grpo.max_rollout_turns``, or when its next turn would not fit in
+ends when its environment says so, at the job's ``max_rollout_turns``, or when its next turn would not fit in
 ``policy.max_total_sequence_length`` (the episode is then *cut*: flagged, counted and, like a response that
 ran out of tokens, not ``finished``).
 
@@ -74,7 +74,8 @@ class EpisodeRunner:
         environments: Runner of each environment name; none at all for a run that rolls out nothing (a
             reward model's, whose backend is ``NoGeneration``).
         default_env: The environment of rows that name none.
-        max_turns: ``grpo.max_rollout_turns``.
+        max_turns: The most model turns of an episode (the job's own ``max_rollout_turns``: ``grpo.``,
+            ``sft.``, ``distillation.``, ``eval.``).
         max_seq_len: ``policy.max_total_sequence_length``.
         system_prompt: The system message the prompts were rendered with (the conversation's first message).
     """

@@ -118,15 +118,15 @@ def start_run(
     max_num_epochs: int,
     pairs: PairSource | None = None,
     generation: bool = True,
-    max_turns: int | None = None,
+    max_turns: int = 1,
 ) -> tuple[RunContext, GenerationBackend, TaskData]:
     """Starts a loop's components (environments, policy and generation, data, context) and resumes.
 
     The loader draws the task's prompts, or with ``pairs`` from a preference dataset (DPO, reward models)
     its pairs, tokenised once the policy's tokenizer is loaded (their rows were read and checked before).
     Without ``generation`` (a reward model's run: preference pairs, nothing sampled) no generation engine
-    and no environment is started (the backend is ``NoGeneration``). ``max_turns``: the algorithm's
-    ``max_rollout_turns`` (default GRPO's).
+    and no environment is started (the backend is ``NoGeneration``). ``max_turns``: the model turns of
+    the algorithm's episodes (its ``rlfleet.config.algorithm_settings`` ``rollout_turns``; one by default).
 
     When any step fails, whatever was already started (Ray actors, environment worker processes, loggers)
     is released before the error propagates; once this returns, the context owns it all and

@@ -19,6 +19,11 @@ from rlfleet.runtime.components import build_policy
 from rlfleet.serving.engine import PolicyEndpoint, ServingLimits
 from rlfleet.serving.server import ServerSettings, ServerThread, check_settings
 
+SERVE_SEED = 0
+"""The seed the served model is built with. Nothing a reply holds depends on it: every request samples with
+its own seed (the request's, else one drawn for it), and the weights are the model's or the checkpoint's.
+Not a recipe key: serving is no algorithm, so it reads no algorithm's section (``grpo.seed`` and the like)."""
+
 
 def serve(
     cfg: MasterConfig,
@@ -31,7 +36,7 @@ def serve(
     """Serves until ``stop`` is set (or the process is interrupted); ``ready`` gets the base URL
     (``http://host:port/v1``) once requests are accepted."""
     check_settings(settings)  # before the model loads
-    policy, backend = build_policy(cfg, resource_layout(cfg), seed=cfg.grpo.seed, keep_reference=False)
+    policy, backend = build_policy(cfg, resource_layout(cfg), seed=SERVE_SEED, keep_reference=False)
     try:
         if checkpoint is not None:
             policy.load_weights(checkpoint)
