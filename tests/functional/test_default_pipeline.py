@@ -16,18 +16,20 @@ from tests.conftest import cli_argv, run_cli_process
 REDUCED = [
     "logger.tensorboard_enabled=false",
     "logger.progress_bar=false",
-    # the SFT stage (the demo routes the sft section there): the recipe's 400 steps, no validation
+    # the SFT stage (the demo routes the sft section there): the recipe's 400 steps, no validation (a shorter
+    # warm start samples too few right answers for GRPO to learn from)
     "sft.val_period=0",
     "sft.val_at_start=false",
     "sft.max_val_samples=64",
-    # the GRPO stage: 20 of the recipe's 80 steps, validated before and after
-    "grpo.max_num_steps=20",
-    "grpo.val_period=20",
-    "grpo.max_val_samples=64",
+    # the GRPO stage: 40 of the recipe's 80 steps, validated before and after on all 128 validation problems
+    "grpo.max_num_steps=40",
+    "grpo.val_period=40",
+    "grpo.max_val_samples=128",
 ]
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 def test_default_pipeline_from_the_command_line_raises_reward(tmp_path: Path) -> None:
     argv = cli_argv("demo", "--out", str(tmp_path), *REDUCED)
     result = run_cli_process(argv)
@@ -39,16 +41,24 @@ def test_default_pipeline_from_the_command_line_raises_reward(tmp_path: Path) ->
     assert (tmp_path / "base_model" / "config.json").is_file()
     assert (tmp_path / "sft_model" / "config.json").is_file()
     grpo = read_metrics(tmp_path / "grpo" / "logs")
-    assert [r["step"] for r in grpo] == list(range(21))
-    assert verify_checkpoint(tmp_path / "grpo" / "checkpoints" / "step_20")
+    assert [r["step"] for r in grpo] == list(range(41))
+    assert verify_checkpoint(tmp_path / "grpo" / "checkpoints" / "step_40")
     assert (tmp_path / "grpo" / "logs" / "plot.png").stat().st_size > 0
 
+    # Float rounding differs between CPU kernels (AVX2, AVX-512, AMX), and with it the SFT warm start and
+    # GRPO's samples: the warm start's accuracy is one draw from a wide range, and 20 GRPO steps from a lucky
+    # one raised it by nothing. After 40 steps, on all 128 validation problems, the gain stands well clear
+    # of the 5 points asked under every kernel tried (`make test-learning-kernels`); a GRPO that does not
+    # learn leaves the greedy accuracy where it was, or lowers it.
     before, after = grpo[0]["val/accuracy"], grpo[-1]["val/accuracy"]
     assert before > 0.2, "the SFT warm start should give a non-zero starting accuracy"
     assert after >= before + 0.05, f"GRPO did not raise validation accuracy: {before:.3f} -> {after:.3f}"
+    # Each step's reward is over its own 32 prompts (256 samples), noisy from step to step: the first and
+    # last 10 steps are compared, 2,560 samples each.
     rewards = [r["train/reward"] for r in grpo if "train/reward" in r]
-    assert len(rewards) == 20
-    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5
+    assert len(rewards) == 40
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last >= first + 0.03, f"GRPO did not raise the train reward: {first:.3f} -> {last:.3f}"
 
     out = result.stdout
     assert "== stage 1/2" in out and "== stage 2/2" in out and "== done" in out

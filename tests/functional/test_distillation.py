@@ -74,6 +74,7 @@ def _train_records(log_dir: Path) -> list[dict]:
     return [r for r in read_metrics(log_dir) if "train/loss" in r]
 
 
+@pytest.mark.learning
 def test_the_student_moves_toward_its_teacher(
     tiny_model_dir: Path, teacher_dir: Path, tmp_path: Path
 ) -> None:
@@ -89,8 +90,11 @@ def test_the_student_moves_toward_its_teacher(
     def mean(key: str, rows: list[dict]) -> float:
         return sum(r[key] for r in rows) / len(rows)
 
-    # each step's loss is over that step's own samples, so the ends of the run are compared, not two steps
-    assert mean("train/loss", records[-3:]) < 0.9 * mean("train/loss", records[:2])
+    # each step's loss is over that step's own samples, so the ends of the run are compared, not two steps;
+    # over seven seeds the loss fell by 10% to 21% and the agreement rose by 0.23 to 0.33, the same under
+    # each CPU kernel (`make test-learning-kernels`): each is asked for well under that. A student that
+    # does not learn (lr 1e-12) gave a loss ratio of 0.96.
+    assert mean("train/loss", records[-3:]) < 0.95 * mean("train/loss", records[:2])
     agreement = "train/teacher_top1_agreement"  # ~1/16 at the start: the two models are unrelated
     assert mean(agreement, records[-3:]) > mean(agreement, records[:2]) + 0.15
     assert first["train/student_topk_mass"] == pytest.approx(1.0)  # renormalised over the k
@@ -100,20 +104,27 @@ def test_the_student_moves_toward_its_teacher(
     assert "val/accuracy" in read_metrics(tmp_path / "logs")[0]  # val_at_start
 
 
-def test_a_student_that_is_its_teacher_has_nothing_to_learn(tiny_model_dir: Path, tmp_path: Path) -> None:
-    # all 320 tokens: renormalised over the whole vocabulary both are the same distribution
+def _self_distillation_step(student: Path, run_dir: Path, *extra: str) -> dict[str, Any]:
+    """The one training record of a one-step run whose teacher is the student itself, over all 320 tokens
+    (renormalised over the whole vocabulary, both are one distribution at equal temperatures)."""
     cfg = small_distillation_config(
-        tiny_model_dir,
-        tiny_model_dir,
-        tmp_path,
+        student,
+        student,
+        run_dir,
         "distillation.max_num_steps=1",
         "distillation.topk_logits_k=320",
         "distillation.val_at_start=false",
-        "loss_fn.zero_outside_topk=true",
-        "loss_fn.kl_type=reverse",
+        *extra,
     )
     Distillation(cfg).train()
-    (record,) = _train_records(tmp_path / "logs")
+    (record,) = _train_records(run_dir / "logs")
+    return record
+
+
+def test_a_student_that_is_its_teacher_has_nothing_to_learn(tiny_model_dir: Path, tmp_path: Path) -> None:
+    record = _self_distillation_step(
+        tiny_model_dir, tmp_path, "loss_fn.zero_outside_topk=true", "loss_fn.kl_type=reverse"
+    )
     assert record["train/loss"] == pytest.approx(0.0, abs=1e-5)
     assert record["train/teacher_top1_agreement"] == pytest.approx(1.0)
     assert record["train/grad_norm"] == pytest.approx(0.0, abs=1e-4)
@@ -134,19 +145,13 @@ def test_a_student_that_is_its_teacher_matches_it_only_at_the_same_temperature(
     NeMo RL's student) and the teacher read at its own (``teacher.generation.temperature``): the same model
     on both sides has nothing to learn exactly when the two are equal. (A student trained at 1.0, or a
     teacher read at 1.0, whatever the recipe says, would find nothing to learn in every case.)"""
-    cfg = small_distillation_config(
-        tiny_model_dir,
+    record = _self_distillation_step(
         tiny_model_dir,
         tmp_path,
-        "distillation.max_num_steps=1",
-        "distillation.topk_logits_k=320",
-        "distillation.val_at_start=false",
         "loss_fn.kl_type=mixed",
         f"policy.generation.temperature={student_temperature}",
         f"teacher.generation.temperature={teacher_temperature}",
     )
-    Distillation(cfg).train()
-    (record,) = _train_records(tmp_path / "logs")
     if nothing_to_learn:
         assert record["train/loss"] == pytest.approx(0.0, abs=1e-5)
         assert record["train/grad_norm"] == pytest.approx(0.0, abs=1e-4)

@@ -53,7 +53,9 @@ def test_first_step_loss_is_ln2_and_training_moves_the_policy_off_its_reference(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """NeMo RL's functional DPO check: the first step's loss lies in (0.69314, 0.69316) (policy ==
-    reference); then the chosen responses' implicit reward pulls above the rejected ones'."""
+    reference); then the policy moves off its reference. Each step's pairs are new samples, four of them:
+    whether the two small updates before step 3 rank its pairs right was a coin toss across seeds (2 of 6
+    wrong), so DPO's learning is asserted on fixed held-out pairs, in the preference-dataset test below."""
     trainer = DPO(small_dpo_config(tiny_model_dir, tmp_path, "dpo.max_num_steps=3"))
     before = trainer_params(trainer)
     trainer.train()
@@ -62,8 +64,8 @@ def test_first_step_loss_is_ln2_and_training_moves_the_policy_off_its_reference(
     first, last = records[0], records[-1]
     assert 0.69314 < first["train/loss"] < 0.69316
     assert first["train/num_pairs"] == 4 and first["train/num_valid_samples"] == 4
-    assert last["train/rewards_chosen_mean"] > last["train/rewards_rejected_mean"]
-    assert last["train/loss"] < first["train/loss"]
+    assert last["train/rewards_chosen_mean"] != 0.0 and last["train/rewards_rejected_mean"] != 0.0
+    assert last["train/loss"] != pytest.approx(0.693147, abs=1e-5)  # 1.6e-4 to 1.5e-3 off it over seeds
     assert any(not torch.equal(before[n], p) for n, p in trainer_params(trainer).items())
     assert "val/accuracy" in read_metrics(tmp_path / "logs")[0]
 
@@ -147,6 +149,7 @@ def write_pairs(path: Path, count: int, offset: int = 0) -> Path:
     return path
 
 
+@pytest.mark.learning
 def test_dpo_on_a_preference_dataset_validates_its_loss_and_pair_accuracy(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -170,7 +173,8 @@ def test_dpo_on_a_preference_dataset_validates_its_loss_and_pair_accuracy(
     start, end = records[0], records[-1]
     assert start["val/num_valid_samples"] == 6  # two batches of at most 4 pairs: all 6
     assert 0.69314 < start["val/loss"] < 0.69316  # the policy is its reference
-    assert end["val/loss"] < start["val/loss"]  # held-out pairs: chosen pulled above rejected
+    # held-out pairs, chosen pulled above rejected: the loss fell to 0.38-0.39 at each of seven seeds
+    assert end["val/loss"] < start["val/loss"] - 0.1
     assert end["train/num_pairs"] == 4 and "train/sample_reward" not in end
     assert (tmp_path / "ckpt" / "step_2").is_dir()
 

@@ -63,6 +63,7 @@ def small_rm_config(model_dir: Path, run_dir: Path, pairs: Path, *extra: str) ->
     )
 
 
+@pytest.mark.learning
 def test_pair_accuracy_rises_on_the_training_pairs(tiny_model_dir: Path, tmp_path: Path, pairs: Path) -> None:
     extra = ("rm.max_num_steps=8", "rm.max_num_epochs=2", "rm.val_period=8", "rm.val_at_start=true")
     trainer = RM(small_rm_config(tiny_model_dir, tmp_path, pairs, *extra))
@@ -72,8 +73,12 @@ def test_pair_accuracy_rises_on_the_training_pairs(tiny_model_dir: Path, tmp_pat
     start, end = records[0], records[-1]
     assert start["step"] == 0 and end["step"] == 8
     assert start["val/num_valid_samples"] == 16
-    assert start["val/accuracy"] < 0.6 and end["val/accuracy"] >= 0.8
-    assert end["val/loss"] < start["val/loss"]
+    # 16 pairs give the accuracy in steps of 1/16, and a random head may rank most of them right already
+    # (14 of 16 at one of seven seeds): the loss over the same pairs carries the claim, lowered by 0.02 to
+    # 0.10 at each seed, the same under each CPU kernel (`make test-learning-kernels`); an RM that does not
+    # learn leaves it at its start. The trained head ranks the pairs better than chance.
+    assert end["val/loss"] < start["val/loss"] - 0.01
+    assert end["val/accuracy"] > 0.5
     assert end["val/rewards_chosen_mean"] > end["val/rewards_rejected_mean"]
     assert end["train/num_pairs"] == 4 and end["train/num_valid_samples"] == 4
     after = trainer_params(trainer)

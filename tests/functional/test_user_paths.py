@@ -195,6 +195,7 @@ def test_eval_of_a_checkpoint_counts_pass_at_k_and_uses_its_weights(
 # ------------------------------------------------------------------------------------------------- SFT
 
 
+@pytest.mark.learning
 def test_sft_from_the_command_line(sft_reference: tuple[Path, Any], tiny_model_dir: Path) -> None:
     run, result = sft_reference
     assert "Traceback" not in result.stderr

@@ -30,10 +30,10 @@ from rlfleet.algorithms.sft import SFT
 from rlfleet.config import ConfigError, MasterConfig, check_config, load_recipe, resolve_recipe_path
 from rlfleet.config.algorithm_settings import ALGORITHM_SETTINGS, Algorithm, algorithm_settings
 from rlfleet.config.layout import resource_layout
-from rlfleet.memory.estimate import GIB
 from rlfleet.memory.planner import memory_problems, resolve_batching
 from rlfleet.memory.report import format_plan, make_plan
 from rlfleet.serving.server import ServerSettings
+from tests.unit.test_memory_estimate import _machine  # a CPU machine of a fixed size
 
 # every key of GRPO's sections that shared code once read for other algorithms (loss_fn's KL is GRPO's)
 GRPO_CHANGES = [
@@ -291,15 +291,6 @@ def test_eval_refuses_one_turn_tool_episodes_whatever_grpo_says(monkeypatch: pyt
 
 
 # ------------------------------------------------------------------------------------------------ plan
-
-
-def _machine(monkeypatch: pytest.MonkeyPatch, gib: float) -> None:
-    """A CPU machine with ``gib`` GiB available (so fitted token budgets do not depend on this one)."""
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.delenv("RLFLEET_MEMORY_CHECK", raising=False)
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    monkeypatch.setattr("rlfleet.memory.planner.cpu_available_bytes", lambda: int(gib * GIB))
-    monkeypatch.setattr("rlfleet.memory.planner.running_allocator", lambda: "glibc")
 
 
 def _plan(recipe: str, algorithm: Algorithm, *overrides: str) -> tuple[Any, ...]:
