@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from rlfleet.config.schema import MasterConfig
+from rlfleet.config.distillation import DistillationConfig
+from rlfleet.config.schema import GRPOConfig, MasterConfig
 
 Algorithm = Literal["grpo", "sft", "dpo", "rm", "distillation"]
 
@@ -56,18 +57,27 @@ class AlgorithmSettings:
         return self.rollout_turns is not None
 
 
-def _grpo(cfg: MasterConfig) -> AlgorithmSettings:
-    g = cfg.grpo
-    samples = g.num_prompts_per_step * g.num_generations_per_prompt
+def _sampled_groups(
+    cfg: MasterConfig, section: GRPOConfig | DistillationConfig, name: str, **kinds: bool
+) -> AlgorithmSettings:
+    """An algorithm that samples ``num_prompts_per_step x num_generations_per_prompt`` sequences a step and
+    scores every one of them in its logprob pass (GRPO, distillation), from its own ``section``."""
+    samples = section.num_prompts_per_step * section.num_generations_per_prompt
     return AlgorithmSettings(
-        seed=g.seed,
-        rollout_turns=g.max_rollout_turns,
-        turns_key="grpo.max_rollout_turns",
+        seed=section.seed,
+        rollout_turns=section.max_rollout_turns,
+        turns_key=f"{name}.max_rollout_turns",
         step_rows=samples,
         update_rows=cfg.policy.train_global_batch_size,
-        logprob_rows=samples,  # the previous policy's (and the reference's) logprobs of every sample
-        keeps_reference=cfg.loss_fn.reference_policy_kl_penalty > 0,  # only the KL term reads it
+        logprob_rows=samples,
+        **kinds,
     )
+
+
+def _grpo(cfg: MasterConfig) -> AlgorithmSettings:
+    # the logprob pass: the previous policy's (and the reference's) logprobs of every sample; the
+    # reference is kept only for the KL term
+    return _sampled_groups(cfg, cfg.grpo, "grpo", keeps_reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
 
 
 def _sft(cfg: MasterConfig) -> AlgorithmSettings:
@@ -110,18 +120,8 @@ def _rm(cfg: MasterConfig) -> AlgorithmSettings:
 
 
 def _distillation(cfg: MasterConfig) -> AlgorithmSettings:
-    d = cfg.distillation
-    samples = d.num_prompts_per_step * d.num_generations_per_prompt
-    return AlgorithmSettings(
-        seed=d.seed,
-        rollout_turns=d.max_rollout_turns,
-        turns_key="distillation.max_rollout_turns",
-        step_rows=samples,
-        update_rows=cfg.policy.train_global_batch_size,
-        logprob_rows=samples,  # the teacher's top k at every position of every sample
-        keeps_reference=False,
-        has_teacher=True,
-    )
+    # the logprob pass: the teacher's top k at every position of every sample
+    return _sampled_groups(cfg, cfg.distillation, "distillation", keeps_reference=False, has_teacher=True)
 
 
 ALGORITHM_SETTINGS: dict[Algorithm, Callable[[MasterConfig], AlgorithmSettings]] = {
