@@ -76,20 +76,15 @@ def _files(source: ModelSource, section: str, what: str) -> tuple[PreTrainedToke
         ) from exc
 
 
-def teacher_temperature(cfg: MasterConfig) -> float:
-    """The temperature the teacher's top-k is read at: ``teacher.generation.temperature`` (NeMo RL divides
-    the teacher's logits by its own generation temperature; its ``teacher:`` block is a copy of the
-    policy's, so a recipe that sets none there gets the policy's through that copy, and here the default
-    1.0)."""
-    if cfg.teacher is None:
-        raise ConfigError("teacher.model_name: distillation needs a teacher; fix: a teacher: block")
-    return cfg.teacher.generation.temperature
-
-
 def start_teacher(cfg: MasterConfig, layout: ResourceLayout) -> TeacherHandle:
-    """The teacher in this process, or on a Ray run in a Ray actor of its own."""
+    """The teacher in this process, or on a Ray run in a Ray actor of its own. Its top-k is read at
+    ``teacher.generation.temperature``: NeMo RL divides a teacher's logits by its own generation temperature
+    (its ``teacher:`` block copies the policy's; a block that sets none here reads at 1.0)."""
+    source = teacher_source(cfg)  # refuses a recipe without a teacher
+    assert cfg.teacher is not None
+    temperature = cfg.teacher.generation.temperature
     if uses_ray(cfg, layout=layout):
         from rlfleet.distributed.ray_teacher import RayTeacher
 
-        return RayTeacher.start(teacher_source(cfg), teacher_temperature(cfg))
-    return Teacher(teacher_source(cfg), teacher_temperature(cfg))
+        return RayTeacher.start(source, temperature)
+    return Teacher(source, temperature)
