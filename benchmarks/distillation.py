@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from benchmarks.preferences import Curve, curve, run
 
-from rlfleet.algorithms.distillation import distillation_train
-from rlfleet.algorithms.grpo import grpo_train
+from rlfleet.algorithms.distillation.loop import distillation_train
+from rlfleet.algorithms.grpo.loop import grpo_train
 from rlfleet.checkpoint import CheckpointManager, export_hf
 from rlfleet.config import load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.demo import run_demo, stage_overrides

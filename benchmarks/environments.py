@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rlfleet.algorithms.evaluation import run_eval
-from rlfleet.algorithms.grpo import grpo_train
-from rlfleet.algorithms.sft import sft_train
+from rlfleet.algorithms.grpo.loop import grpo_train
+from rlfleet.algorithms.sft.loop import sft_train
 from rlfleet.checkpoint import CheckpointManager, export_hf
 from rlfleet.config import MasterConfig, load_recipe, resolve_recipe_path
 from rlfleet.demo import ensure_tiny_model, stage_overrides

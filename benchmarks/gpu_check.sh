@@ -108,7 +108,7 @@ import rlfleet
 print(f"rlfleet from {rlfleet.__file__}, transformers {transformers.__version__}")
 missing = []
 for module in ("pydantic", "yaml", "math_verify", "matplotlib", "gguf", "pytest", "rlfleet.cli",
-               "rlfleet.algorithms.grpo", "rlfleet.rewards"):
+               "rlfleet.algorithms.grpo.loop", "rlfleet.rewards"):
     try:
         importlib.import_module(module)
     except ImportError as exc:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from benchmarks.scratch import scratch_dir
 
-from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.config import load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.generation import SamplingParams
 from rlfleet.logging import read_metrics

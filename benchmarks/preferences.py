@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlfleet.algorithms.dpo import dpo_train
-from rlfleet.algorithms.grpo import grpo_train
+from rlfleet.algorithms.dpo.loop import dpo_train
+from rlfleet.algorithms.grpo.loop import grpo_train
 from rlfleet.config import MasterConfig, load_recipe, resolve_recipe_path
 from rlfleet.demo import stage_overrides
 from rlfleet.logging import read_metrics

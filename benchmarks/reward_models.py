@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlfleet.algorithms.grpo import GRPO
-from rlfleet.algorithms.rm import rm_train
+from rlfleet.algorithms.grpo.loop import GRPO
+from rlfleet.algorithms.rm.loop import rm_train
 from rlfleet.checkpoint import CheckpointManager, export_hf
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.data import resolve_system_prompt

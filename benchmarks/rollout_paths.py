@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from benchmarks.scratch import scratch_dir
 
-from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.config import load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.demo import ensure_tiny_model
 from rlfleet.rollouts.collect import Collected

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.versus_trl import prepare_model, trl_trainer
 
-from rlfleet.algorithms.grpo import GRPO, overlong_shaping
+from rlfleet.algorithms.grpo.loop import GRPO, overlong_shaping
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.config.resolved import policy_precision
 from rlfleet.runtime.loop import closing_run

@@ -31,8 +31,8 @@ from rlfleet.config import (
     resolve_recipe_path,
     unsupported_settings,
 )
+from rlfleet.config.algorithm import algorithm_names, algorithm_spec, algorithm_specs
 from rlfleet.config.capabilities import uses_ray
-from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.layout import resource_layout
 from rlfleet.deploy.cli import add_deploy_commands
 from rlfleet.errors import UserError
@@ -43,9 +43,9 @@ log = logging.getLogger("rlfleet")
 
 DEBUG_ENV = "RLFLEET_DEBUG"
 ALGORITHM_HELP = (
-    "what the recipe is checked for (default: its name's first word: grpo-, sft-, distillation-...)"
+    "what the recipe is checked for (default: the recipe's algorithm key, else the one algorithm section "
+    "it sets, e.g. grpo:)"
 )
-ALGORITHMS = ("grpo", "sft", "dpo", "rm", "distillation")
 # Top-level module of an optional dependency -> the extra of pyproject.toml that installs it.
 OPTIONAL_EXTRAS = {
     "ray": "ray",
@@ -81,26 +81,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         check_ray_address(cfg.cluster.placement_timeout_s)
     with quiet_console(args, cfg.logger.log_dir):
-        if args.command == "grpo":
-            from rlfleet.algorithms.grpo import grpo_train
-
-            grpo_train(cfg)
-        elif args.command == "dpo":
-            from rlfleet.algorithms.dpo import dpo_train
-
-            dpo_train(cfg)
-        elif args.command == "rm":
-            from rlfleet.algorithms.rm import rm_train
-
-            rm_train(cfg)
-        elif args.command == "distill":
-            from rlfleet.algorithms.distillation import distillation_train
-
-            distillation_train(cfg)
-        else:
-            from rlfleet.algorithms.sft import sft_train
-
-            sft_train(cfg)
+        args.spec.train(cfg)
     return 0
 
 
@@ -127,27 +108,24 @@ def check_inputs(cfg: MasterConfig) -> list[str]:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     cfg = _load(args.recipe, args.overrides)
-    args.algorithm = args.algorithm or recipe_algorithm(args.recipe)
+    spec = algorithm_spec(args.algorithm or recipe_algorithm(args.recipe))
     layout = resource_layout(cfg)
-    check_config(cfg, args.algorithm, layout=layout)
+    check_config(cfg, spec, layout=layout)
     from rlfleet.memory.planner import ensure_fits, resolve_batching
 
-    batching = resolve_batching(cfg, layout, args.algorithm)
-    ensure_fits(cfg, layout, batching, args.algorithm)
+    batching = resolve_batching(cfg, layout, spec.name)
+    ensure_fits(cfg, layout, batching, spec.name)
     from rlfleet.checkpoint.space import ensure_disk, run_steps
 
-    ensure_disk(cfg, run_steps(cfg, args.algorithm))
-    if args.algorithm == "distillation":  # the teacher against the student: tokenizers and configs only
-        from rlfleet.runtime.teacher import preflight_teacher
-
-        preflight_teacher(cfg)
+    ensure_disk(cfg, run_steps(cfg, spec.name))
+    spec.run_preflight(cfg)  # what needs files but no weights (a teacher's tokenizer against the student's)
     unread = check_inputs(cfg)
     print(config_to_yaml(cfg), end="")
     if unread:
         print(f"# not read by validate (the run downloads them): hub datasets {', '.join(unread)}")
-    if args.algorithm == "grpo":
-        described = describe_algorithm(cfg, batching)
-        print("# GRPO as configured:", *[f"#   {k}: {v}" for k, v in described], sep="\n")
+    if spec.describe is not None:
+        described = spec.describe(cfg, batching)
+        print(f"# {spec.name} as configured:", *[f"#   {k}: {v}" for k, v in described], sep="\n")
     not_here = unsupported_settings(cfg, layout=layout)
     if not_here:
         print("# valid; this build cannot run it as given yet:", *[f"#   - {p}" for p in not_here], sep="\n")
@@ -158,7 +136,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rlfleet.memory.report import format_plan, make_plan
 
     cfg = _load(args.recipe, args.overrides)
-    algorithm = args.algorithm or recipe_algorithm(args.recipe)
+    algorithm = algorithm_spec(args.algorithm or recipe_algorithm(args.recipe)).name
     check_config(cfg, algorithm)
     plan, _ = make_plan(cfg, algorithm)
     print(format_plan(cfg, plan, args.recipe))
@@ -290,26 +268,22 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"print the traceback of errors that are reported as a message only (or set {DEBUG_ENV}=1)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (
-        ("grpo", "GRPO training"),
-        ("sft", "supervised fine-tuning"),
-        ("dpo", "direct preference optimisation"),
-        ("rm", "Bradley-Terry reward-model training on preference pairs"),
-        ("distill", "on-policy distillation of a teacher into the policy (the student)"),
-    ):
-        p = sub.add_parser(name, help=help_text, description=f"{help_text}: RECIPE plus key=value overrides")
+    for spec in algorithm_specs():  # one subcommand per algorithm description, plugins' included
+        p = sub.add_parser(
+            spec.command, help=spec.summary, description=f"{spec.summary}: RECIPE plus key=value overrides"
+        )
         p.add_argument("recipe", help="recipe YAML path or shipped recipe name")
-        p.add_argument("overrides", nargs="*", help="overrides such as grpo.max_num_steps=10")
-        p.set_defaults(func=cmd_train)
+        p.add_argument("overrides", nargs="*", help=f"overrides such as {spec.name}.max_num_steps=10")
+        p.set_defaults(func=cmd_train, spec=spec)
     p = sub.add_parser("validate", help="print the resolved config, or every error in it")
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--algorithm", choices=ALGORITHMS, help=ALGORITHM_HELP)
+    p.add_argument("--algorithm", choices=algorithm_names(), help=ALGORITHM_HELP)
     p.set_defaults(func=cmd_validate)
     p = sub.add_parser("plan", help="print the resource layout and memory estimate; starts nothing")
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--algorithm", choices=ALGORITHMS, help=ALGORITHM_HELP)
+    p.add_argument("--algorithm", choices=algorithm_names(), help=ALGORITHM_HELP)
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("eval", help="pass@1 / pass@k of a recipe's model or of a checkpoint")
     p.add_argument("target", help="recipe (path or shipped name) or a step_N checkpoint directory")

@@ -10,8 +10,8 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlfleet.algorithms.grpo import grpo_train
-from rlfleet.algorithms.sft import sft_train
+from rlfleet.algorithms.grpo.loop import grpo_train
+from rlfleet.algorithms.sft.loop import SFT, sft_train
 from rlfleet.checkpoint import CheckpointManager, export_hf
 from rlfleet.checkpoint.space import ensure_pipeline_disk, export_bytes, run_steps
 from rlfleet.config import (
@@ -94,7 +94,7 @@ def accuracy_line(before_sft: float | None, after_sft: float | None, after_grpo:
 
 def sft_section(overrides: Sequence[str]) -> list[str]:
     """The overrides of the ``sft`` section, which only the SFT stage reads (the GRPO recipe carries it)."""
-    return [o for o in overrides if parse_override(o).key[0] == "sft"]
+    return [o for o in overrides if parse_override(o).key[0] == SFT.algorithm]
 
 
 def run_demo(

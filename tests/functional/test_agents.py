@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.data import Example, Prompt, build_prompts
 from rlfleet.environments.runner import InProcessRunner, build_environment
 from rlfleet.errors import UserError

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.checkpoint import CheckpointManager
 from rlfleet.config import ConfigError, check_config
 from rlfleet.logging import read_metrics

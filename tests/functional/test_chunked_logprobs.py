@@ -194,8 +194,8 @@ def test_a_model_that_transforms_its_logits_is_refused() -> None:
 
 
 def test_the_recipe_key_reaches_both_passes() -> None:
+    from rlfleet.algorithms.grpo.describe import describe_algorithm
     from rlfleet.config.batching import recipe_batching
-    from rlfleet.config.describe import describe_algorithm
     from rlfleet.config.loader import load_recipe, resolve_recipe_path
     from rlfleet.runtime.components import micro_batching
 

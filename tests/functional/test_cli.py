@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.checkpoint import CheckpointManager, save_policy, verify_checkpoint
 from rlfleet.cli import main, user_error_message
 from rlfleet.config import quote_override_value
@@ -303,13 +303,45 @@ def test_validate_says_which_hub_datasets_it_did_not_read(capsys: pytest.Capture
     assert code == 0 and "not read by validate" in out and "openai/gsm8k" in out
 
 
-def test_a_recipe_is_checked_for_the_algorithm_its_name_says(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_recipe_is_checked_for_the_algorithm_its_content_says(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     code, out, _ = run_cli(capsys, "validate", "sft-tiny-arithmetic-cpu", "policy.model_name=x")
-    assert code == 0 and "GRPO as configured" not in out
+    assert code == 0 and "grpo as configured" not in out
     code, out, _ = run_cli(capsys, "plan", "sft-tiny-arithmetic-cpu", "policy.model_name=x")
     assert code == 0 and "(sft)" in out.splitlines()[0]
     code, out, _ = run_cli(capsys, "validate", "grpo-tiny-arithmetic-cpu", "policy.model_name=x")
-    assert code == 0 and "GRPO as configured" in out
+    assert code == 0 and "grpo as configured" in out
+    # its file name says nothing: a GRPO recipe's child that sets a dpo section is a DPO recipe
+    child = tmp_path / "my-run.yaml"
+    child.write_text(f"defaults: {ROOT / 'recipes' / 'grpo-tiny-arithmetic-cpu.yaml'}\ndpo:\n  seed: 3\n")
+    code, out, _ = run_cli(capsys, "plan", str(child), "policy.model_name=x")
+    assert code == 0 and "(dpo)" in out.splitlines()[0]
+    # two algorithms' sections in one file: ambiguous, and the message says how to settle it
+    both = tmp_path / "both.yaml"
+    both.write_text("grpo:\n  seed: 1\nsft:\n  seed: 2\n")
+    code, _, err = run_cli(capsys, "validate", str(both), "policy.model_name=x")
+    assert code == 2 and "ambiguous" in err and "algorithm: grpo" in err
+    # settled by the key, or by --algorithm
+    both.write_text("algorithm: sft\ngrpo:\n  seed: 1\nsft:\n  seed: 2\n")
+    code, out, _ = run_cli(capsys, "plan", str(both), "policy.model_name=x")
+    assert code == 0 and "(sft)" in out.splitlines()[0]
+    none = tmp_path / "none.yaml"
+    none.write_text("policy:\n  model_name: x\n")
+    code, _, err = run_cli(capsys, "validate", str(none))
+    assert code == 2 and "names no algorithm" in err and "--algorithm" in err
+    assert run_cli(capsys, "validate", str(none), "--algorithm", "grpo")[0] == 0
+
+
+def test_a_command_refuses_a_recipe_keyed_to_another_algorithm(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, _, err = run_cli(capsys, "sft", "grpo-tiny-arithmetic-cpu", "policy.model_name=x", "algorithm=grpo")
+    assert code == 2 and "the recipe is for grpo, but this runs sft" in err and "`rlfleet grpo RECIPE`" in err
+    code, _, err = run_cli(
+        capsys, "validate", "grpo-tiny-arithmetic-cpu", "policy.model_name=x", "algorithm=ppo"
+    )
+    assert code == 2 and "algorithm: got 'ppo', expected one of grpo, sft, dpo, rm, distillation" in err
 
 
 def test_a_tiny_recipe_says_which_command_builds_its_model(

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from rlfleet.algorithms.distillation import Distillation
+from rlfleet.algorithms.distillation.loop import Distillation
 from rlfleet.cli import main
 from rlfleet.config import ConfigError, MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.logging import read_metrics

@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rlfleet.algorithms.distillation.kl import distillation_kl, needs_entropy, student_at_ids, teacher_topk
+from rlfleet.algorithms.distillation.loss import DistillationLossFn
+from rlfleet.algorithms.distillation.teacher import model_topk
 from rlfleet.policy.batch import TrainBatch
-from rlfleet.policy.distillation_math import distillation_kl, needs_entropy, student_at_ids, teacher_topk
-from rlfleet.policy.loss_functions import DistillationLossFn
 from rlfleet.policy.loss_math import Normalizer
 from rlfleet.policy.microbatch import MicroBatching
-from rlfleet.policy.teacher import model_topk
 from rlfleet.policy.worker import PolicyWorker
 from tests.functional.test_packing import LAYOUTS, PADDED, assert_same, gradients, make_batch, make_worker
 

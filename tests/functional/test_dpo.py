@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.algorithms.dpo import DPO
+from rlfleet.algorithms.dpo.loop import DPO
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.data.arithmetic import generate_arithmetic
 from rlfleet.logging import read_metrics

@@ -16,19 +16,19 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-import rlfleet.algorithms.distillation as distillation_module
-import rlfleet.algorithms.dpo as dpo_module
-import rlfleet.algorithms.grpo as grpo_module
-import rlfleet.algorithms.rm as rm_module
-import rlfleet.algorithms.sft as sft_module
-from rlfleet.algorithms.distillation import Distillation
-from rlfleet.algorithms.dpo import DPO
+import rlfleet.algorithms.distillation.loop as distillation_module
+import rlfleet.algorithms.dpo.loop as dpo_module
+import rlfleet.algorithms.grpo.loop as grpo_module
+import rlfleet.algorithms.rm.loop as rm_module
+import rlfleet.algorithms.sft.loop as sft_module
+from rlfleet.algorithms.distillation.config import TEACHER_KEYS
+from rlfleet.algorithms.distillation.loop import Distillation
+from rlfleet.algorithms.dpo.loop import DPO
 from rlfleet.algorithms.evaluation import run_eval
-from rlfleet.algorithms.grpo import GRPO
-from rlfleet.algorithms.rm import RM
-from rlfleet.algorithms.sft import SFT
+from rlfleet.algorithms.grpo.loop import GRPO
+from rlfleet.algorithms.rm.loop import RM
+from rlfleet.algorithms.sft.loop import SFT
 from rlfleet.config import MasterConfig, check_config, load_recipe, resolve_recipe_path, schema_keys
-from rlfleet.config.distillation import TEACHER_KEYS
 from rlfleet.memory.report import make_plan
 from tests.conftest import save_tiny_reward_model, small_grpo_config
 from tests.functional.test_distillation import small_distillation_config

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.algorithms.evaluation import run_eval
-from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.logging import read_metrics
 from tests.conftest import comparable_metrics, small_grpo_config
 

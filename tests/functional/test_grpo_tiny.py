@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.logging import read_metrics
 from rlfleet.policy.batch import collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.logging import read_metrics
 from rlfleet.runtime.loop import MACHINE_METRICS
 from tests.conftest import small_grpo_config

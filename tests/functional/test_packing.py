@@ -222,7 +222,7 @@ def test_grpo_step_with_packing_or_dynamic_batching_equals_the_padded_one(
 ) -> None:
     """The recipe keys reach the loop: one GRPO step (a separate prev pass, a reference pass, two optimizer
     steps) gives the padded update, and the logged padding fraction says what was computed."""
-    from rlfleet.algorithms.grpo import GRPO
+    from rlfleet.algorithms.grpo.loop import GRPO
     from tests.conftest import small_grpo_config
 
     modes = {

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from rlfleet.algorithms.distillation import Distillation
-from rlfleet.distributed.ray_teacher import RayTeacher
+from rlfleet.algorithms.distillation.loop import Distillation
+from rlfleet.algorithms.distillation.ray_teacher import RayTeacher
 from tests.functional.test_distillation import small_distillation_config, teacher_dir  # noqa: F401
 from tests.functional.test_ray_grpo import RAY, assert_same_run, comparable
 

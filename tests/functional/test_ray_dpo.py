@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.algorithms.dpo import DPO
+from rlfleet.algorithms.dpo.loop import DPO
 from tests.functional.test_dpo import small_dpo_config
 from tests.functional.test_ray_grpo import RAY, assert_same_run, comparable
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.distributed.ray_policy import TrainingWorkerLostError
 from tests.conftest import kill_and_wait, small_grpo_config
 from tests.functional.test_ray_grpo import RAY, assert_same_run, comparable

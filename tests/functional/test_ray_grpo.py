@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.logging import read_metrics
 from rlfleet.runtime.loop import MACHINE_METRICS
 from tests.conftest import count_logprob_passes, small_grpo_config

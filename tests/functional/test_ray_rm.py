@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.algorithms.rm import RM
+from rlfleet.algorithms.rm.loop import RM
 from tests.functional.test_ray_grpo import RAY, assert_same_run, comparable
 from tests.functional.test_rm import small_pairs, small_rm_config
 

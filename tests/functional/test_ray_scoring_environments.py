@@ -17,7 +17,7 @@ import pytest
 import ray
 from transformers import AutoTokenizer
 
-from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.environments.ray_runner import RayActorRunner
 from rlfleet.errors import UserError
 from rlfleet.logging import read_metrics

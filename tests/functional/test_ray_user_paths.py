@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import ray
 
-from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.deploy import jobs
 from rlfleet.distributed.ray_generation import GenerationWorkerLostError
 from rlfleet.distributed.worker_group import WorkerDiedError, WorkerTimeoutError

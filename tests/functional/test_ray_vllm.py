@@ -22,7 +22,7 @@ pytest.importorskip("ray")
 
 import ray
 
-from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.logging import read_metrics
 from tests.conftest import kill_and_wait, small_grpo_config
 from tests.functional.test_ray_faults import before_step

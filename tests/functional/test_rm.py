@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from rlfleet.algorithms.rm import RM
+from rlfleet.algorithms.rm.loop import RM
 from rlfleet.checkpoint import export_hf
 from rlfleet.config import MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.data.arithmetic import write_arithmetic_pairs

@@ -12,9 +12,9 @@ from typing import Any
 import psutil
 import pytest
 
-import rlfleet.algorithms.grpo as grpo_module
+import rlfleet.algorithms.grpo.loop as grpo_module
 import rlfleet.runtime.loop as run_module
-from rlfleet.algorithms.sft import SFT
+from rlfleet.algorithms.sft.loop import SFT
 from rlfleet.data.errors import DataError
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.worker import PolicyWorker

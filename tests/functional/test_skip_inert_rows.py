@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlfleet.algorithms.grpo import inert_rows, trained_logprobs
+from rlfleet.algorithms.grpo.loop import inert_rows, trained_logprobs
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.microbatch import (
     MicroBatching,
@@ -162,7 +162,7 @@ def test_logprob_passes_skip_inert_rows_and_keep_ranks_even(tiny_model_dir: Path
 def test_a_grpo_step_skipping_flat_groups_equals_the_full_step(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The recipe key reaches the loop: half the groups are flat (their answer is odd), a separate prev
     pass (two optimizer steps), and the update equals the one that computes every row."""
-    from rlfleet.algorithms.grpo import GRPO
+    from rlfleet.algorithms.grpo.loop import GRPO
     from tests.conftest import small_grpo_config
 
     results = {}

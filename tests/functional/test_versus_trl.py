@@ -63,7 +63,7 @@ def test_trl_gets_the_same_overlong_penalty_as_rlfleet() -> None:
     sys.path.insert(0, str(SCRIPT.parents[1]))
     from benchmarks.versus_trl import overlong_reward_for_trl
 
-    from rlfleet.algorithms.grpo import overlong_shaping
+    from rlfleet.algorithms.grpo.loop import overlong_shaping
     from rlfleet.algorithms.overlong import overlong_penalty
     from rlfleet.config import load_recipe, resolve_recipe_path
 

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.environments.judge import JudgeEnvironment, LocalJudge
 from rlfleet.generation import HFGenerationBackend
 from rlfleet.generation.interface import GenerationResult, SamplingParams

@@ -16,7 +16,7 @@ import pytest
 import torch
 from benchmarks.gpu_step import SMOLLM2_RECIPE, build_stand_in, corpus, smollm2_available
 
-from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.checkpoint import verify_checkpoint
 from rlfleet.config import load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.logging import read_metrics

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.algorithms.grpo import GRPO
+from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.logging import read_metrics
 from tests.conftest import small_grpo_config
 from tests.functional.test_ray_grpo import RAY, TWO_STEPS, comparable

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from rlfleet.algorithms.advantages import (
+from rlfleet.algorithms.grpo.advantages import (
     baseline_and_std,
     group_advantages,
     signal_metrics,

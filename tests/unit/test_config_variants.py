@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from rlfleet.algorithms.grpo.describe import describe_algorithm
 from rlfleet.cli import main
 from rlfleet.config import ConfigError, apply_overrides, check_config, validate_config
-from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.resolved import truncation_type
 from tests.unit.test_config import good_raw
 

@@ -3,10 +3,12 @@ top k) and the teacher's memory in the plan."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from rlfleet.algorithms.distillation.checks import teacher_problems
 from rlfleet.config import ConfigError, load_recipe, recipe_algorithm, resolve_recipe_path
-from rlfleet.config.distillation_checks import teacher_problems
 from rlfleet.config.layout import resource_layout
 from rlfleet.memory.planner import count_parameters, memory_plan
 from rlfleet.memory.report import make_plan
@@ -28,9 +30,11 @@ class Vocab:
         return dict(self.vocab)
 
 
-def test_a_recipe_named_distillation_or_distill_is_checked_as_distillation() -> None:
+def test_a_distillation_recipe_is_checked_as_distillation_whatever_its_file_name(tmp_path: Path) -> None:
     assert recipe_algorithm(RECIPE) == "distillation"
-    assert recipe_algorithm("distill-my-student.yaml") == "distillation"
+    mine = tmp_path / "my-run.yaml"  # its name says nothing; its section does
+    mine.write_text("distillation:\n  max_num_steps: 2\n")
+    assert recipe_algorithm(mine) == "distillation"
     cfg = load_recipe(resolve_recipe_path(RECIPE))
     assert (cfg.loss_fn.kl_type, cfg.loss_fn.mixed_kl_weight, cfg.distillation.topk_logits_k) == (
         "mixed",
@@ -85,10 +89,10 @@ def test_the_plan_counts_the_teachers_weights_beside_the_student_or_in_its_ray_a
 
 
 def _distillation_problems(*overrides: str) -> list[str]:
-    from rlfleet.config.distillation_checks import distillation_problems
+    from rlfleet.algorithms.distillation.checks import distillation_problems
 
     cfg = load_recipe(resolve_recipe_path(RECIPE), ["teacher.model_name=org/teacher", *overrides])
-    return distillation_problems(cfg, "distillation")
+    return distillation_problems(cfg, resource_layout(cfg))
 
 
 @pytest.mark.parametrize(
@@ -101,12 +105,12 @@ def _distillation_problems(*overrides: str) -> list[str]:
 def test_a_shipped_teacher_not_written_yet_is_refused_naming_the_commands_that_write_it(
     recipe: str, command: str, tmp_path, monkeypatch
 ) -> None:
-    from rlfleet.config.distillation_checks import distillation_problems
+    from rlfleet.algorithms.distillation.checks import distillation_problems
 
     monkeypatch.chdir(tmp_path)  # no runs/ nor results/ here
     cfg = load_recipe(resolve_recipe_path(recipe))
     assert cfg.teacher is not None
-    (problem,) = [p for p in distillation_problems(cfg, "distillation") if p.startswith("teacher.")]
+    (problem,) = [p for p in distillation_problems(cfg, resource_layout(cfg)) if p.startswith("teacher.")]
     assert problem.startswith(f"teacher.model_name={cfg.teacher.model_name}: that model is not written yet; ")
     assert command in problem and "rlfleet export" in problem
 

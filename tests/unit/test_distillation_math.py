@@ -1,4 +1,4 @@
-"""The distillation maths (rlfleet.policy.distillation_math) against closed forms.
+"""The distillation maths (rlfleet.algorithms.distillation.kl) against closed forms.
 
 With ``k`` equal to the vocabulary, every ``kl_type`` in both ``zero_outside_topk`` modes is the exact KL,
 so its value and its gradient are checked against ``torch.distributions.kl_divergence`` by autograd in
@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributions import Categorical, kl_divergence
 
-from rlfleet.policy.distillation_math import (
+from rlfleet.algorithms.distillation.kl import (
     KL_TYPES,
     LOG_INFINITESIMAL,
     distillation_kl,

@@ -308,7 +308,7 @@ def test_the_tools_environment_needs_a_second_turn() -> None:
 
 def test_sft_on_an_episode_trains_the_model_turns_only() -> None:
     """The tool message inside a calculator episode is context in SFT, as it is in GRPO."""
-    from rlfleet.algorithms.sft import sft_batch
+    from rlfleet.algorithms.sft.loop import sft_batch
     from rlfleet.data import build_prompts
 
     tokenizer = tiny_tokenizer()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from rlfleet.algorithms.grpo.describe import describe_algorithm
 from rlfleet.config import load_recipe, resolve_recipe_path
-from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.layout import resource_layout
 from rlfleet.config.resolved import cpu_precision, generation_backend, policy_precision
 

@@ -145,6 +145,21 @@ LAYERS = [
 ]
 
 
+# An algorithm's folder holds pieces of two layers: its description and what it reads from the recipe alone
+# (``rlfleet/algorithms/<name>/{spec,config,checks,describe}.py``) belong with the config, which builds the
+# schema and the checks from them; the rest (its loop, maths, teacher) is the algorithms layer.
+ALGORITHM_CONFIG_MODULES = {"spec", "config", "checks", "describe"}
+
+
+def package_of(dotted: str) -> str:
+    """The layer package of a module: its package below ``rlfleet``, or ``config`` for an algorithm's
+    description and config modules."""
+    parts = dotted.split(".")
+    if parts[1:2] == ["algorithms"] and len(parts) >= 4 and parts[3] in ALGORITHM_CONFIG_MODULES:
+        return "config"
+    return parts[1]
+
+
 def package_imports() -> set[tuple[str, str]]:
     """``(importing package, imported package)`` over every module's ``rlfleet`` imports (lazy ones included,
     ``TYPE_CHECKING`` ones excluded), within a package left out."""
@@ -155,8 +170,8 @@ def package_imports() -> set[tuple[str, str]]:
             continue  # rlfleet/__init__.py
         for module, _ in _imports(ast.parse(path.read_text()), top_level_only=False):
             target = module.split(".")
-            if target[0] == "rlfleet" and len(target) > 1 and target[1] != parts[1]:
-                edges.add((parts[1], target[1]))
+            if target[0] == "rlfleet" and len(target) > 1 and package_of(module) != package_of(name):
+                edges.add((package_of(name), package_of(module)))
     return edges
 
 

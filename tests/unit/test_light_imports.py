@@ -14,7 +14,7 @@ from tests.conftest import ROOT
 STAGES = [
     ("rlfleet.cli", ["torch", "transformers", "matplotlib", "ray", "vllm"]),
     ("rlfleet.environments.runner", ["transformers", "matplotlib", "vllm"]),
-    ("rlfleet.algorithms.grpo", ["matplotlib", "vllm"]),
+    ("rlfleet.algorithms.grpo.loop", ["matplotlib", "vllm"]),
 ]
 
 _PROBE = """

@@ -19,10 +19,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from rlfleet.algorithms.grpo.describe import describe_algorithm
 from rlfleet.cli import main
 from rlfleet.config import load_recipe, resolve_recipe_path
-from rlfleet.config.checks import Algorithm
-from rlfleet.config.describe import describe_algorithm
+from rlfleet.config.algorithm import Algorithm
 from rlfleet.config.layout import resource_layout
 from rlfleet.config.schema import ArchitectureConfig, OptimizerConfig
 from rlfleet.memory.estimate import (

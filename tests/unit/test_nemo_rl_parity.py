@@ -32,7 +32,7 @@ import math
 import pytest
 import torch
 
-from rlfleet.algorithms.advantages import baseline_and_std, group_advantages
+from rlfleet.algorithms.grpo.advantages import baseline_and_std, group_advantages
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.logprobs import logprobs_from_logits
 from rlfleet.policy.loss_functions import ClippedPGLossFn, NLLLossFn

@@ -52,7 +52,7 @@ def test_the_command_line_refuses_the_address_before_it_loads_torch() -> None:
         "from rlfleet.cli import main\n"
         "rc = main(['grpo', 'grpo-tiny-arithmetic-cpu', 'cluster.use_ray=true',\n"
         "           'cluster.placement_timeout_s=2'])\n"
-        "print(rc, 'torch' in sys.modules, 'rlfleet.algorithms.grpo' in sys.modules)\n"
+        "print(rc, 'torch' in sys.modules, 'rlfleet.algorithms.grpo.loop' in sys.modules)\n"
     )
     env = {"PATH": "/usr/bin:/bin", "RAY_ADDRESS": f"127.0.0.1:{free_port()}", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlfleet.algorithms.grpo import rollout_metrics
+from rlfleet.algorithms.grpo.loop import rollout_metrics
 from rlfleet.data import Example, Prompt
 from rlfleet.environments import EnvironmentInterface, EnvironmentReturn
 from rlfleet.environments.builtin import last_assistant

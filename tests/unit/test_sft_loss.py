@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlfleet.algorithms.sft import sft_batch
+from rlfleet.algorithms.sft.loop import sft_batch
 from rlfleet.data import Example, Prompt, render_prompt, response_target
 from rlfleet.models.tiny import train_tokenizer
 from rlfleet.policy.batch import TrainBatch, collate

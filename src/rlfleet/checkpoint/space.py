@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlfleet.checkpoint.manager import CheckpointManager
-from rlfleet.config.checks import Algorithm
+from rlfleet.config.algorithm import Algorithm, algorithm_settings
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.schema import MasterConfig
 from rlfleet.memory.estimate import gib
@@ -109,8 +109,7 @@ def disk_plan(cfg: MasterConfig, max_num_steps: int | None) -> DiskPlan | None:
 
 def run_steps(cfg: MasterConfig, algorithm: Algorithm) -> int | None:
     """The algorithm's ``max_num_steps``; None for no limit (``rm.max_num_steps=-1``: the epochs decide)."""
-    steps: int = getattr(cfg, algorithm).max_num_steps
-    return None if steps < 0 else steps
+    return algorithm_settings(cfg, algorithm).max_num_steps
 
 
 def disk_problems(cfg: MasterConfig, max_num_steps: int | None) -> list[str]:

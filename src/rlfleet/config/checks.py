@@ -4,10 +4,10 @@ The schema (:mod:`rlfleet.config.schema`) checks single fields: types, ranges, c
 several fields is checked here, and every problem found is reported at once, each one line naming the dotted
 key, the offending value, the constraint and a fix:
 
-* :func:`check_config`: everything that keeps a config from running ``grpo``, ``sft``, ``dpo`` or ``rm``:
-  the fields of one section against each other, batch arithmetic, micro-batch budgets, sequence lengths,
-  the GRPO variants, preference pairs and reward models (:mod:`rlfleet.config.preference_checks`), the
-  checkpoint metric, the resources, and the resource layout (:func:`layout_problems`). Runs,
+* :func:`check_config`: everything that keeps a config from running an algorithm: the fields of one
+  section against each other, batch arithmetic, micro-batch budgets, what the algorithm trains on
+  (:mod:`rlfleet.config.pair_checks`), the algorithm's own checks (its description's ``checks``, in its
+  folder), the checkpoint metric, the resources, and the resource layout (:func:`layout_problems`). Runs,
   ``rlfleet validate``, ``plan`` and ``k8s render`` call it before anything starts.
 * :func:`section_problems`: the fields of one section against each other;
   :func:`rlfleet.config.validate_config` reports them too, so a recipe that loads is consistent.
@@ -22,22 +22,19 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import math
 from pathlib import Path
 
-from rlfleet.config.algorithm_settings import Algorithm, algorithm_settings
+from rlfleet.config.algorithm import Algorithm, AlgorithmSpec, algorithm_names, spec_of
 from rlfleet.config.backends import BACKENDS, GenerationBackendInfo, backend_of
 from rlfleet.config.batching import PASSES, budget_key, recipe_budget, token_budget_section
 from rlfleet.config.capabilities import needs_several_processes, uses_ray
-from rlfleet.config.distillation_checks import distillation_problems
 from rlfleet.config.embedded import DEMO_COMMANDS, DEMO_TASKS
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.layout import ResourceLayout, resource_layout
-from rlfleet.config.metric_names import LOGGED_METRICS, normalize_metric_name
-from rlfleet.config.preference_checks import preference_problems
+from rlfleet.config.metric_names import normalize_metric_name
+from rlfleet.config.pair_checks import pair_problems
 from rlfleet.config.schema import BUILTIN_ENVIRONMENTS, MasterConfig
-from rlfleet.config.shaping import shaping_problems
-from rlfleet.utils.intmath import round_up
+from rlfleet.utils.intmath import divisors_near, round_up
 
 __all__ = [
     "Algorithm",
@@ -52,42 +49,41 @@ __all__ = [
 # ------------------------------------------------------------------------------------------- entry points
 
 
-def check_config(cfg: MasterConfig, algorithm: Algorithm, *, layout: ResourceLayout | None = None) -> None:
+def check_config(
+    cfg: MasterConfig, algorithm: str | AlgorithmSpec, *, layout: ResourceLayout | None = None
+) -> None:
     """Check what single fields cannot: the sections' own consistency, batch arithmetic, micro-batch
-    budgets, lengths, the GRPO variants, the checkpoint metric, resources and the layout.
+    budgets, what the algorithm trains on, its own checks, the checkpoint metric, resources and the layout.
 
     Args:
         cfg: The validated config.
-        algorithm: ``"grpo"``, ``"sft"``, ``"dpo"``, ``"rm"`` or ``"distillation"``; the GRPO-only checks
-            run for ``"grpo"`` only, those of pairs and reward models
-            (:mod:`rlfleet.config.preference_checks`) and of distillation
-            (:mod:`rlfleet.config.distillation_checks`) for theirs.
+        algorithm: The algorithm's name or description (:mod:`rlfleet.config.algorithm`); its own checks
+            (its description's ``checks``: GRPO's variants, distillation's teacher, ...) run for it alone.
         layout: ``resource_layout(cfg)`` when the caller has it already; computed here if not.
 
     Raises:
-        ConfigError: listing every problem for ``algorithm``.
+        ConfigError: listing every problem for the algorithm (an unknown algorithm, too).
     """
-    if algorithm not in LOGGED_METRICS:
-        raise ConfigError(
-            f"algorithm: got {algorithm!r}, expected one of {', '.join(sorted(LOGGED_METRICS))}; "
-            "fix: pass 'grpo', 'sft', 'dpo', 'rm' or 'distillation'"
-        )
+    spec = spec_of(algorithm)
     layout = layout if layout is not None else resource_layout(cfg)
     problems = section_problems(cfg)
+    if cfg.algorithm is not None and cfg.algorithm != spec.name:
+        problems.append(
+            f"algorithm: the recipe is for {cfg.algorithm}, but this runs {spec.name}; fix: "
+            f"`rlfleet {spec_of(cfg.algorithm).command} RECIPE`, or algorithm={spec.name}"
+        )
     problems += _model_name_problems(cfg)
-    problems += _batch_problems(cfg, algorithm)
+    problems += _batch_problems(cfg)
     problems += _micro_batching_problems(cfg)
-    problems += preference_problems(cfg, algorithm, layout)
-    problems += distillation_problems(cfg, algorithm)
-    problems += _rollout_turn_problems(cfg, algorithm)
-    if algorithm == "grpo":
-        problems += _length_problems(cfg) + _baseline_problems(cfg)
-        problems += _loss_problems(cfg) + _dapo_problems(cfg) + _async_problems(cfg)
-    problems += _metric_problems(cfg, algorithm)
+    problems += pair_problems(cfg, spec, layout)
+    problems += _rollout_turn_problems(cfg, spec)
+    if spec.checks is not None:
+        problems += spec.checks(cfg, layout)
+    problems += _metric_problems(cfg, spec)
     resource_problems = _resource_problems(cfg)
     problems += resource_problems or layout_problems(cfg, layout)
     if problems:
-        raise ConfigError(problems, header=f"config cannot run {algorithm} ({len(problems)} problem(s)):")
+        raise ConfigError(problems, header=f"config cannot run {spec.name} ({len(problems)} problem(s)):")
 
 
 def ensure_runnable(cfg: MasterConfig, *, layout: ResourceLayout | None = None) -> None:
@@ -104,6 +100,11 @@ def section_problems(cfg: MasterConfig) -> list[str]:
     """Fields of one section that contradict each other (LoRA targets, the arithmetic task's operation
     counts, the system prompt, pass@k), each prefixed with the section's dotted key."""
     problems = []
+    if cfg.algorithm is not None and cfg.algorithm not in algorithm_names():
+        problems.append(
+            f"algorithm: got {cfg.algorithm!r}, expected one of {', '.join(algorithm_names())}; fix: "
+            "algorithm=grpo (for example), or remove the key (the recipe's one algorithm section decides)"
+        )
     lora = cfg.policy.dtensor_cfg.lora_cfg
     where = "policy.dtensor_cfg.lora_cfg"
     if lora.enabled and lora.match_all_linear and lora.target_modules:
@@ -173,18 +174,10 @@ def _model_name_problems(cfg: MasterConfig) -> list[str]:
     ]
 
 
-def _divisors_near(number: int, target: int, multiple_of: int = 1, count: int = 3) -> list[int]:
-    """Up to ``count`` divisors of ``number`` nearest ``target``, preferring multiples of ``multiple_of``."""
-    small = [d for d in range(1, math.isqrt(number) + 1) if number % d == 0]
-    divisors = sorted({*small, *(number // d for d in small)})
-    preferred = [d for d in divisors if d % multiple_of == 0] or divisors
-    return sorted(sorted(preferred, key=lambda d: (abs(d - target), d))[:count])
-
-
-def _rollout_turn_problems(cfg: MasterConfig, algorithm: Algorithm) -> list[str]:
-    """The turns of ``algorithm``'s episodes (in training or validation; its own ``max_rollout_turns``)
+def _rollout_turn_problems(cfg: MasterConfig, spec: AlgorithmSpec) -> list[str]:
+    """The turns of the algorithm's episodes (in training or validation; its own ``max_rollout_turns``)
     against the environment; nothing for an algorithm that samples nothing."""
-    run = algorithm_settings(cfg, algorithm)
+    run = spec.settings(cfg)
     if run.rollout_turns is None or run.turns_key is None:
         return []
     return rollout_turn_problems(cfg, run.rollout_turns, run.turns_key)
@@ -202,25 +195,11 @@ def rollout_turn_problems(cfg: MasterConfig, turns: int, key: str) -> list[str]:
     ]
 
 
-def _batch_problems(cfg: MasterConfig, algorithm: Algorithm) -> list[str]:
+def _batch_problems(cfg: MasterConfig) -> list[str]:
     policy, problems = cfg.policy, []
     batch, micro = policy.train_global_batch_size, policy.train_micro_batch_size
-    if algorithm == "grpo":
-        prompts, group = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
-        samples = prompts * group
-        if samples % batch:
-            step = batch // math.gcd(batch, group)
-            prompts_hint = max(step, round(prompts / step) * step)
-            suggestions = ", ".join(map(str, _divisors_near(samples, batch, micro)))
-            problems.append(
-                f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {prompts} * {group} = "
-                f"{samples} samples per step, which policy.train_global_batch_size={batch} does not divide, "
-                f"so the step's samples do not form whole optimizer batches; fix: set "
-                f"policy.train_global_batch_size to a divisor of {samples} (e.g. {suggestions}) or "
-                f"grpo.num_prompts_per_step to a multiple of {step} (e.g. {prompts_hint})"
-            )
     if batch % micro:
-        suggestions = ", ".join(map(str, _divisors_near(batch, micro)))
+        suggestions = ", ".join(map(str, divisors_near(batch, micro)))
         problems.append(
             f"policy.train_global_batch_size={batch} is not divisible by "
             f"policy.train_micro_batch_size={micro}, so gradient accumulation cannot cover the batch "
@@ -260,173 +239,19 @@ def _micro_batching_problems(cfg: MasterConfig) -> list[str]:
     return problems
 
 
-# ---------------------------------------------------------------------------------- GRPO: lengths, baseline
-
-
-def _length_problems(cfg: MasterConfig) -> list[str]:
-    new_tokens, total = cfg.policy.generation.max_new_tokens, cfg.policy.max_total_sequence_length
-    model_len = cfg.policy.generation.vllm_cfg.max_model_len
-    problems = []
-    if backend_of(cfg).reads_vllm_cfg and model_len is not None and model_len < total:
-        problems.append(
-            f"policy.generation.vllm_cfg.max_model_len={model_len} is shorter than "
-            f"policy.max_total_sequence_length={total}, so vLLM would cut sequences the trainer expects; "
-            f"fix: policy.generation.vllm_cfg.max_model_len={total} (or null to follow the sequence length)"
-        )
-    if new_tokens < total:
-        return problems
-    return [
-        *problems,
-        f"policy.generation.max_new_tokens={new_tokens} must be < policy.max_total_sequence_length={total}, "
-        f"since the prompt and the response share that length; fix: lower policy.generation.max_new_tokens "
-        f"(e.g. {max(1, total // 2)}) or raise policy.max_total_sequence_length (e.g. {2 * new_tokens})",
-    ]
-
-
-def _baseline_problems(cfg: MasterConfig) -> list[str]:
-    if cfg.grpo.num_generations_per_prompt >= 2 or not cfg.grpo.use_leave_one_out_baseline:
-        return []
-    return [
-        "grpo.use_leave_one_out_baseline=true needs grpo.num_generations_per_prompt >= 2 (got "
-        f"{cfg.grpo.num_generations_per_prompt}): the baseline is the mean reward of the prompt's other "
-        "samples; fix: set grpo.num_generations_per_prompt to 2 or more (e.g. 8) or "
-        "grpo.use_leave_one_out_baseline=false"
-    ]
-
-
-# ------------------------------------------------------------------ GRPO variants (IS bounds, GSPO, DAPO)
-
-
-def _loss_problems(cfg: MasterConfig) -> list[str]:
-    """The importance-sampling bounds, GSPO and Dr.GRPO settings against each other."""
-    lf, problems = cfg.loss_fn, []
-    kind, high, low = (
-        lf.truncated_importance_sampling_type,
-        lf.truncated_importance_sampling_ratio,
-        lf.truncated_importance_sampling_ratio_min,
-    )
-    bound_keys = [
-        f"loss_fn.{name}={value}"
-        for name, value in (
-            ("truncated_importance_sampling_type", kind),
-            ("truncated_importance_sampling_ratio", high),
-            ("truncated_importance_sampling_ratio_min", low),
-        )
-        if value is not None
-    ]
-    if bound_keys and not lf.use_importance_sampling_correction:
-        problems.append(
-            f"{', '.join(bound_keys)} bound(s) the importance-sampling correction, but "
-            "loss_fn.use_importance_sampling_correction=false, so they would be ignored; fix: "
-            "loss_fn.use_importance_sampling_correction=true, or unset them (null)"
-        )
-    if lf.use_on_policy_kl_approximation and lf.reference_policy_kl_penalty == 0:
-        problems.append(
-            "loss_fn.use_on_policy_kl_approximation=true weights the KL penalty, but "
-            "loss_fn.reference_policy_kl_penalty=0, so it would be ignored; fix: a positive "
-            "reference_policy_kl_penalty, or use_on_policy_kl_approximation=false"
-        )
-    if kind is not None and high is None:
-        problems.append(
-            f"loss_fn.truncated_importance_sampling_type={kind} needs "
-            "loss_fn.truncated_importance_sampling_ratio (the cap, or the band's upper end); fix: set it "
-            "(e.g. 2.0 for tis, 5.0 for icepop, 1.002 for seq-mask-tis)"
-        )
-    if kind in ("icepop", "seq-mask-tis") and low is None:
-        problems.append(
-            f"loss_fn.truncated_importance_sampling_type={kind} masks outside [ratio_min, ratio]: set "
-            "loss_fn.truncated_importance_sampling_ratio_min (e.g. 0.5 for icepop, 0.999 for seq-mask-tis)"
-        )
-    if low is not None and kind is None:
-        problems.append(
-            f"loss_fn.truncated_importance_sampling_ratio_min={low} bounds a truncation, but "
-            "loss_fn.truncated_importance_sampling_type is null; fix: set the type (tis clamps to "
-            "[ratio_min, ratio]; icepop and seq-mask-tis mask outside it), or unset ratio_min"
-        )
-    if low is not None and high is not None and low > high:
-        problems.append(
-            f"loss_fn.truncated_importance_sampling_ratio_min={low} must be <= "
-            f"loss_fn.truncated_importance_sampling_ratio={high}; fix: a band with min < 1 < max"
-        )
-    if kind == "seq-mask-tis" and lf.sequence_level_importance_ratios:
-        problems.append(
-            "loss_fn.truncated_importance_sampling_type=seq-mask-tis masks sequences of token-level weights, "
-            "but loss_fn.sequence_level_importance_ratios=true weights whole sequences; fix: type tis or "
-            "icepop, or sequence_level_importance_ratios=false"
-        )
-    for key, on in (
-        ("sequence_level_importance_ratios", lf.sequence_level_importance_ratios),
-        ("max_length_normalization", lf.max_length_normalization),
-    ):
-        if on and lf.token_level_loss:
-            problems.append(
-                f"loss_fn.{key}=true aggregates the loss per sequence, but loss_fn.token_level_loss=true "
-                "averages over tokens; fix: loss_fn.token_level_loss=false"
-            )
-    if lf.sequence_level_importance_ratios and lf.max_length_normalization:
-        problems.append(
-            "loss_fn.sequence_level_importance_ratios=true (GSPO) and loss_fn.max_length_normalization=true "
-            "(Dr.GRPO) are different objectives; fix: set one of them to false"
-        )
-    return problems
-
-
-def _dapo_problems(cfg: MasterConfig) -> list[str]:
-    """Dynamic sampling and overlong shaping against the batch and length settings."""
-    g, problems = cfg.grpo, []
-    if g.batch_multiplier != 1.0 and not g.use_dynamic_sampling:
-        problems.append(
-            f"grpo.batch_multiplier={g.batch_multiplier} scales the prompts drawn per dynamic-sampling "
-            "round, but grpo.use_dynamic_sampling=false; fix: grpo.use_dynamic_sampling=true or "
-            "grpo.batch_multiplier=1"
-        )
-    if g.use_dynamic_sampling and g.num_generations_per_prompt < 2:
-        problems.append(
-            "grpo.use_dynamic_sampling=true keeps groups whose rewards differ, which needs "
-            f"grpo.num_generations_per_prompt >= 2 (got {g.num_generations_per_prompt}); fix: raise it"
-        )
-    problems += shaping_problems(
-        g.reward_shaping, "grpo.reward_shaping", cfg.policy.generation.max_new_tokens
-    )
-    return problems
-
-
-def _async_problems(cfg: MasterConfig) -> list[str]:
-    """Asynchronous GRPO needs dedicated generation workers and the importance-sampling correction."""
-    if not cfg.grpo.async_grpo.enabled:
-        return []
-    problems = []
-    if cfg.policy.generation.colocated.enabled:
-        problems.append(
-            "grpo.async_grpo.enabled=true overlaps generation with training, but generation is colocated "
-            "with the trainers (policy.generation.colocated.enabled=true), so the two would share the same "
-            "devices and take turns; fix: policy.generation.colocated.enabled=false with "
-            "policy.generation.colocated.resources.{num_nodes,gpus_per_node} for the generation workers, "
-            "or grpo.async_grpo.enabled=false"
-        )
-    if not cfg.loss_fn.use_importance_sampling_correction:
-        problems.append(
-            "grpo.async_grpo.enabled=true trains on rollouts sampled by the previous weights, which only the "
-            "importance-sampling correction accounts for; fix: "
-            "loss_fn.use_importance_sampling_correction=true (a cap such as "
-            "loss_fn.truncated_importance_sampling_ratio=2.0 is advised)"
-        )
-    return problems
-
-
 # ------------------------------------------------------------------------------------- checkpoint metric
 
 
-def _metric_problems(cfg: MasterConfig, algorithm: Algorithm) -> list[str]:
+def _metric_problems(cfg: MasterConfig, spec: AlgorithmSpec) -> list[str]:
     ckpt = cfg.checkpointing
     if not ckpt.enabled or ckpt.keep_top_k is None or ckpt.metric_name is None:
         return []
-    logged, name = LOGGED_METRICS[algorithm], normalize_metric_name(ckpt.metric_name)
+    logged, name = spec.metrics, normalize_metric_name(ckpt.metric_name)
     if name in logged:
         return []
     close = difflib.get_close_matches(name, sorted(logged), n=1, cutoff=0)
     return [
-        f"checkpointing.metric_name: got {ckpt.metric_name!r}, but {algorithm} logs only "
+        f"checkpointing.metric_name: got {ckpt.metric_name!r}, but {spec.name} logs only "
         f"{', '.join(sorted(logged))} (':' and '/' are interchangeable, surrounding spaces are dropped), "
         "so checkpoints could not be ranked; "
         f"fix: set checkpointing.metric_name to one of those (e.g. {close[0]}), or "

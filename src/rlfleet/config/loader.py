@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, create_model
 
 import rlfleet
-from rlfleet.config.checks import Algorithm, section_problems
+from rlfleet.config.algorithm import Algorithm, algorithm_names, algorithm_specs
+from rlfleet.config.checks import section_problems
 from rlfleet.config.errors import ConfigError, deep_merge, got, short_repr
 from rlfleet.config.overrides import Override, apply_overrides, parse_override
 from rlfleet.config.schema import MasterConfig
@@ -36,6 +37,7 @@ __all__ = [
     "deep_merge",
     "load_recipe",
     "load_yaml_with_defaults",
+    "master_model",
     "parse_override",
     "recipe_algorithm",
     "resolve_recipe_path",
@@ -194,21 +196,21 @@ def _paths(model: type[BaseModel], prefix: str, sections: bool) -> list[str]:
 
 def schema_keys() -> list[str]:
     """Every dotted leaf key of :class:`MasterConfig` (``policy.optimizer.kwargs.lr``, ...), in order."""
-    return _paths(MasterConfig, "", sections=False)
+    return _paths(master_model(), "", sections=False)
 
 
 @cache
 def _all_paths() -> tuple[str, ...]:
-    return tuple(_paths(MasterConfig, "", sections=True))
+    return tuple(_paths(master_model(), "", sections=True))
 
 
 @cache
 def _defaults() -> dict[str, Any]:
-    return MasterConfig().model_dump(mode="json")
+    return master_model()().model_dump(mode="json")
 
 
 def _model_at(loc: Sequence[Any]) -> type[BaseModel] | None:
-    model: type[BaseModel] | None = MasterConfig
+    model: type[BaseModel] | None = master_model()
     for part in loc:
         field = model.model_fields.get(part) if model and isinstance(part, str) else None
         model = _submodel(field.annotation) if field else None
@@ -322,7 +324,7 @@ def validate_config(raw: dict[str, Any]) -> MasterConfig:
             "fix the recipe's top level"
         )
     try:
-        cfg = MasterConfig.model_validate(raw)
+        cfg = master_model().model_validate(raw)
     except ValidationError as exc:
         problems = [_describe(error) for error in exc.errors(include_url=False)]
         raise ConfigError(problems, header=f"invalid config ({len(problems)} problem(s)):") from exc
@@ -366,17 +368,73 @@ def shipped_recipe_names() -> list[str]:
 
 
 def recipe_algorithm(recipe: str | Path) -> Algorithm:
-    """The algorithm a recipe is for: the first word of its name (recipes are named
-    ``<algorithm>-<model>-<N>n<G>g-<strategy>``: ``sft-tiny-arithmetic-cpu``), GRPO when it names none."""
-    first = Path(recipe).name.split("-", 1)[0].lower()
-    named: dict[str, Algorithm] = {
-        "sft": "sft",
-        "dpo": "dpo",
-        "rm": "rm",
-        "distillation": "distillation",
-        "distill": "distillation",
+    """The algorithm a recipe is for, from its content, never its file name: its ``algorithm:`` key, else the
+    one algorithm section it sets itself (``grpo:``, ``dpo:``, ...), else the algorithm of the parents its
+    ``defaults`` name (the same rule, nearest first). A recipe derived from a GRPO recipe that adds a
+    ``dpo:`` section is a DPO recipe.
+
+    Raises:
+        ConfigError: the recipe names an unknown algorithm, sets several algorithms' sections, or sets none
+            (anywhere in its ``defaults``); the message says to add ``algorithm: NAME`` (or, where a command
+            asks, to pass ``--algorithm``).
+    """
+    path = resolve_recipe_path(recipe)
+    found = _deciding_algorithm(path, ())
+    if found is None:
+        raise ConfigError(
+            f"recipe {path} names no algorithm: it sets none of the sections "
+            f"{', '.join(algorithm_names())} (nor do its defaults); fix: add `algorithm: NAME` to it, or "
+            "pass --algorithm NAME"
+        )
+    return found
+
+
+def _deciding_algorithm(path: Path, chain: tuple[Path, ...]) -> str | None:
+    resolved = path.resolve()
+    if resolved in chain:
+        return None  # the loader reports the cycle
+    data = _read_mapping(path, chain[-1] if chain else None)
+    explicit = data.get("algorithm")
+    if explicit is not None:
+        if not isinstance(explicit, str) or explicit not in algorithm_names():
+            raise ConfigError(
+                f"{path}: algorithm: got {short_repr(explicit)}, expected one of "
+                f"{', '.join(algorithm_names())}; fix: algorithm: grpo (for example)"
+            )
+        return explicit
+    sections = [name for name in algorithm_names() if name in data]
+    if len(sections) > 1:
+        raise ConfigError(
+            f"{path} sets the sections of {len(sections)} algorithms ({', '.join(sections)}), so which one "
+            f"it is for is ambiguous; fix: add `algorithm: {sections[0]}` (or the one meant) to it"
+        )
+    if sections:
+        return sections[0]
+    parents = {
+        p: _deciding_algorithm(p, (*chain, resolved)) for p in _parent_paths(data.get("defaults"), path) if p
     }
-    return named.get(first, "grpo")
+    named = sorted({a for a in parents.values() if a is not None})
+    if len(named) > 1:
+        raise ConfigError(
+            f"{path}: its defaults are recipes of different algorithms ({', '.join(named)}); fix: add "
+            f"`algorithm: {named[0]}` (or the one meant) to it"
+        )
+    return named[0] if named else None
+
+
+@cache
+def master_model() -> type[MasterConfig]:
+    """The schema of a recipe: :class:`MasterConfig` with the section of every algorithm a plugin adds
+    (:mod:`rlfleet.config.algorithm`); MasterConfig itself when no plugin is installed."""
+    extra = {
+        spec.name: (spec.section, spec.section())
+        for spec in algorithm_specs()
+        if spec.name not in MasterConfig.model_fields
+    }
+    if not extra:
+        return MasterConfig
+    model: type[MasterConfig] = create_model("MasterConfig", __base__=MasterConfig, **extra)  # type: ignore[call-overload]
+    return model
 
 
 def resolve_recipe_path(name_or_path: str | Path) -> Path:

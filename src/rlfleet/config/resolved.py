@@ -1,5 +1,5 @@
 """What a config means where a key is left null: the one reading shared by the components that build from
-the config and by :mod:`rlfleet.config.describe`."""
+the config and by :mod:`rlfleet.algorithms.grpo.describe`."""
 
 from __future__ import annotations
 

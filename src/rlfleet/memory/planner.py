@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rlfleet.config.algorithm_settings import Algorithm, AlgorithmSettings, algorithm_settings
+from rlfleet.config.algorithm import Algorithm, AlgorithmSettings, algorithm_settings
 from rlfleet.config.backends import backend_of
 from rlfleet.config.batching import (
     PASSES,

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlfleet.config.algorithm_settings import Algorithm, AlgorithmSettings, algorithm_settings
+from rlfleet.config.algorithm import (
+    Algorithm,
+    AlgorithmSettings,
+    StepFacts,
+    algorithm_settings,
+    algorithm_spec,
+)
 from rlfleet.config.backends import backend_of
 from rlfleet.config.batching import ResolvedBatching
 from rlfleet.config.capabilities import uses_ray
 from rlfleet.config.checks import layout_problems, unsupported_settings
-from rlfleet.config.describe import describe_algorithm
 from rlfleet.config.layout import ResourceLayout, resource_layout
-from rlfleet.config.preference import PREFERENCE_DATASETS
 from rlfleet.config.resolved import policy_precision
 from rlfleet.config.schema import MasterConfig
 from rlfleet.memory.allocator import find_jemalloc, how_to_get_jemalloc
@@ -54,7 +58,7 @@ class Plan:
     gen_engine: str | None  # the vLLM engine's settings in one line; None with the HF backend
     batching: ResolvedBatching  # the token budgets the run would use on this machine, with why
     optimizer_state_bytes: int  # per trained parameter (AdamW: m and v in float32)
-    algorithm: Algorithm  # what the plan is for (the recipe's name says: grpo-, sft-, dpo-, rm-...)
+    algorithm: Algorithm  # what the plan is for (the recipe's algorithm: rlfleet.config.recipe_algorithm)
     run: AlgorithmSettings  # what the plan needs of that algorithm's section
 
     def training_memory_gib(self) -> dict[str, float]:
@@ -166,63 +170,25 @@ def _rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
             "sequence budget",
             f"{p.max_total_sequence_length} tokens, max_new_tokens {p.generation.max_new_tokens}",
         ),
-        *(describe_algorithm(cfg, plan.batching) if plan.algorithm == "grpo" else []),
+        *_described(cfg, plan),
     ]
 
 
 def _step_rows(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
-    """What one step of ``plan.algorithm`` draws and how its optimizer steps split it (each branch reads its
-    own algorithm's section)."""
-    p = cfg.policy
-    if plan.algorithm == "grpo":
-        g = cfg.grpo
-        return [
-            (
-                "samples per step",
-                f"{g.num_prompts_per_step} x {g.num_generations_per_prompt} = {plan.samples_per_step:,}",
-            ),
-            (
-                "optimizer steps",
-                f"{plan.optimizer_steps_per_step} per step (global batch {p.train_global_batch_size})",
-            ),
-            ("per update", _micro_batches(cfg, plan)),
-        ]
-    if plan.algorithm == "distillation":
-        d = cfg.distillation
-        teacher = cfg.teacher.model_name if cfg.teacher else "none"
-        return [
-            (
-                "samples per step",
-                f"{d.num_prompts_per_step} x {d.num_generations_per_prompt} = {plan.samples_per_step:,}, "
-                f"then the teacher's top {d.topk_logits_k} at every position ({teacher})",
-            ),
-            (
-                "optimizer steps",
-                f"{plan.optimizer_steps_per_step} per step (global batch {p.train_global_batch_size})",
-            ),
-            ("per update", _micro_batches(cfg, plan)),
-        ]
-    if plan.algorithm == "sft":
-        return [
-            ("examples per step", f"{p.train_global_batch_size} (one optimizer step)"),
-            ("per update", _micro_batches(cfg, plan)),
-        ]
-    source = f"the dataset ({cfg.data.dataset_name})"
-    if plan.algorithm == "dpo" and cfg.data.dataset_name not in PREFERENCE_DATASETS:
-        sampled = cfg.dpo.sampled_pairs
-        source = (
-            f"the model's own samples: {sampled.num_generations_per_prompt} per prompt, best vs worst, up "
-            f"to {sampled.max_rounds} round(s) of {p.train_global_batch_size} prompts"
-        )
-    return [
-        (
-            "pairs per step",
-            f"{p.train_global_batch_size} = {plan.samples_per_step} rows (chosen, rejected), one "
-            "optimizer step",
-        ),
-        ("pairs from", source),
-        ("per update", _micro_batches(cfg, plan, unit="pair")),
-    ]
+    """What one step of ``plan.algorithm`` draws and how its optimizer steps split it: the algorithm's own
+    rows (its description's ``step_rows``, reading its own section)."""
+    facts = StepFacts(
+        samples_per_step=plan.samples_per_step,
+        optimizer_steps=plan.optimizer_steps_per_step,
+        per_update=lambda unit: _micro_batches(cfg, plan, unit=unit),
+    )
+    return algorithm_spec(plan.algorithm).step_rows(cfg, facts)
+
+
+def _described(cfg: MasterConfig, plan: Plan) -> list[tuple[str, str]]:
+    """The algorithm as configured, where its description says how (GRPO's variant, loss, sampling...)."""
+    describe = algorithm_spec(plan.algorithm).describe
+    return describe(cfg, plan.batching) if describe is not None else []
 
 
 def _micro_batches(cfg: MasterConfig, plan: Plan, unit: str = "row") -> str:

@@ -28,7 +28,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from rlfleet.config.preference import REWARD_MODEL_TYPES
+from rlfleet.config.preferences import REWARD_MODEL_TYPES
 from rlfleet.config.schema import DEFAULT_CHAT_TEMPLATE
 from rlfleet.errors import UserError
 from rlfleet.models.gguf import converted_checkpoint

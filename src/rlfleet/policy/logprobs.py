@@ -72,8 +72,8 @@ class Readout:
     the distribution over token ``t`` is read at, as token ``t`` itself is for logprobs); ``pick(logits
     [N, V], targets [N, ...], temperature)`` gives ``[N, width]`` from it. The result is ``[n, T, width]``
     (position 0 and padding 0) in every layout: padded, dynamic batching, packed, chunked. Distillation
-    reads the teacher's top k (``rlfleet.policy.teacher``) and the student at the teacher's tokens
-    (``rlfleet.policy.loss_functions.DistillationLossFn``) this way.
+    reads the teacher's top k (``rlfleet.algorithms.distillation.teacher``) and the student at the teacher's
+    tokens (``rlfleet.algorithms.distillation.loss.DistillationLossFn``) this way.
     """
 
     targets: Callable[[TrainBatch], torch.Tensor]

@@ -10,26 +10,17 @@ they are global means over the step's response tokens.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from rlfleet.policy.batch import TrainBatch
-from rlfleet.policy.distillation_math import KL_TYPES as DISTILLATION_KL_TYPES
-from rlfleet.policy.distillation_math import (
-    DistillationKL,
-    distillation_kl,
-    needs_entropy,
-    student_at_ids,
-)
 from rlfleet.policy.importance_sampling import (
     TRUNCATION_TYPES,
     ImportanceWeights,
     TruncationType,
     importance_weights,
 )
-from rlfleet.policy.logprobs import Readout
 from rlfleet.policy.loss_math import (
     KL_TYPES,
     KLType,
@@ -51,7 +42,7 @@ def trained_mask(mask: torch.Tensor, inert: torch.Tensor | None) -> torch.Tensor
     return mask if inert is None else mask * (~inert.to(mask.device)).unsqueeze(1).to(mask.dtype)
 
 
-def _required(value: torch.Tensor | None, name: str) -> torch.Tensor:
+def required(value: torch.Tensor | None, name: str) -> torch.Tensor:
     if value is None:
         raise ValueError(f"this loss needs batch.{name}; compute it before training")
     return value
@@ -132,7 +123,7 @@ class ClippedPGLossFn:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         mask = mb.response_mask
         prev = self._prev_logprobs(logprobs, mb)
-        adv = _required(mb.advantages, "advantages").unsqueeze(1)  # [B, 1]
+        adv = required(mb.advantages, "advantages").unsqueeze(1)  # [B, 1]
         if self.sequence_level_ratios:
             pg, ratio = gspo_loss(logprobs, prev, adv, mask, self.eps_low, self.eps_high, self.dual_clip_c)
         else:
@@ -170,10 +161,10 @@ class ClippedPGLossFn:
     def _kl(self, logprobs: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
         """Per-token weighted KL estimate ``[B, T]``: 1-valued weights (or ``pi / pi_gen``) whose gradient
         supplies the score-function term."""
-        ref = _required(mb.ref_logprobs, "ref_logprobs")
+        ref = required(mb.ref_logprobs, "ref_logprobs")
         sampler = None
         if self.use_on_policy_kl_approximation:
-            sampler = _required(mb.generation_logprobs, "generation_logprobs")
+            sampler = required(mb.generation_logprobs, "generation_logprobs")
         weights = kl_gradient_weights(logprobs, self.kl_type, sampler)
         return kl_estimate(logprobs, ref, self.kl_type, self.kl_input_clamp, self.kl_output_clamp, weights)
 
@@ -185,7 +176,7 @@ class ClippedPGLossFn:
     def _importance_weights(self, prev: torch.Tensor, mb: TrainBatch) -> ImportanceWeights:
         return importance_weights(
             prev.detach(),
-            _required(mb.generation_logprobs, "generation_logprobs"),
+            required(mb.generation_logprobs, "generation_logprobs"),
             mb.response_mask,
             sequence_level=self.sequence_level_ratios,
             truncation=self.truncation,
@@ -195,7 +186,7 @@ class ClippedPGLossFn:
 
     def _prev_logprobs(self, logprobs: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
         if not self.prev_from_training_forward:
-            return _required(mb.prev_logprobs, "prev_logprobs")
+            return required(mb.prev_logprobs, "prev_logprobs")
         if mb.prev_logprobs is not None:
             raise ValueError(
                 "prev_from_training_forward takes the previous-policy logprobs from the training forward, "
@@ -260,7 +251,7 @@ class DPOLossFn:
         if len(mb) % 2:
             raise ValueError(f"a DPO micro-batch holds whole (chosen, rejected) pairs, got {len(mb)} rows")
         mask, pairs = mb.response_mask, max(norm.num_sequences / 2, 1.0)
-        ref = _required(mb.ref_logprobs, "ref_logprobs")
+        ref = required(mb.ref_logprobs, "ref_logprobs")
         rewards = sequence_sums(logprobs - ref, mask, average=self.preference_average_log_probs)
         chosen, rejected = rewards[0::2], rewards[1::2]
         preference = dpo_preference_loss(chosen, rejected, self.reference_policy_kl_penalty).sum() / pairs
@@ -320,81 +311,3 @@ class PreferenceLossFn:
                 "num_valid_samples": len(mb) / 2,
             }
         return loss, metrics
-
-
-@dataclass(frozen=True)
-class DistillationLossFn:
-    """On-policy distillation (NeMo RL's ``DistillationLossFn``): the per-token KL between the teacher's
-    top-k distribution (``batch.teacher_topk_logprobs``, at ``batch.teacher_topk_ids``) and the student's at
-    the same tokens, a mean over the global batch's response tokens (a multi-turn episode: the model's own
-    turns). ``kl_type`` forward, reverse or mixed (``mixed_kl_weight`` weighs the forward term);
-    ``zero_outside_topk`` reads the student's full-vocabulary logprobs instead of renormalising over the k
-    (see :mod:`rlfleet.policy.distillation_math`).
-
-    Its input is not the tokens' logprobs: the worker's forward reads the student at the teacher's ids
-    (``readout``), ``[n, T, k + 1]``: the k logprobs, then the student's ``sum p log p`` over its vocabulary
-    (0 where the loss does not need it).
-
-    Metrics: ``loss`` and ``num_valid_samples`` (NeMo's), ``teacher_top1_agreement`` (the share of response
-    tokens where the student's most likely of the k is the teacher's) and ``student_topk_mass`` (with
-    ``zero_outside_topk``: the student's probability on the teacher's k, 1 otherwise).
-    """
-
-    kl_type: DistillationKL = "mixed"
-    mixed_kl_weight: float = 0.5
-    zero_outside_topk: bool = False
-
-    def __post_init__(self) -> None:
-        if self.kl_type not in DISTILLATION_KL_TYPES:
-            raise ValueError(
-                f"unknown distillation KL {self.kl_type!r}; choose one of {DISTILLATION_KL_TYPES}"
-            )
-        if not 0.0 <= self.mixed_kl_weight <= 1.0:
-            raise ValueError(f"mixed_kl_weight must be in [0, 1], got {self.mixed_kl_weight}")
-
-    @property
-    def readout(self) -> Readout:
-        entropy = needs_entropy(self.kl_type, self.zero_outside_topk)
-        pick = functools.partial(_student_at_teacher_ids, self.zero_outside_topk, entropy)
-        return Readout(targets=_topk_ids, pick=pick)
-
-    def __call__(
-        self, read: torch.Tensor, mb: TrainBatch, norm: Normalizer
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        teacher = _required(mb.teacher_topk_logprobs, "teacher_topk_logprobs").to(read.device)
-        student = read[..., :-1]
-        if student.shape != teacher.shape:
-            raise ValueError(
-                f"the student was read at {student.shape[-1]} tokens per position but the teacher gave "
-                f"{teacher.shape[-1]}"
-            )
-        entropy = read[..., -1] if needs_entropy(self.kl_type, self.zero_outside_topk) else None
-        per_token = distillation_kl(student, teacher, self.kl_type, self.mixed_kl_weight, entropy)
-        mask = mb.response_mask
-        loss = aggregate(per_token, mask, norm, True)
-        with torch.no_grad():
-            agree = (student.argmax(-1) == teacher.argmax(-1)).float()
-            metrics = {
-                "loss": float(loss.detach()),
-                "num_valid_samples": float(len(mb)),
-                "teacher_top1_agreement": float(aggregate(agree, mask, norm, True)),
-                "student_topk_mass": float(aggregate(student.exp().sum(-1), mask, norm, True)),
-            }
-        return loss, metrics
-
-
-def _topk_ids(mb: TrainBatch) -> torch.Tensor:
-    return _required(mb.teacher_topk_ids, "teacher_topk_ids")
-
-
-def _student_at_teacher_ids(
-    zero_outside_topk: bool, with_entropy: bool, logits: torch.Tensor, ids: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """``[..., k + 1]``: the student's logprobs at the teacher's ``ids``, then its ``sum p log p`` (or 0)."""
-    if temperature != 1.0:
-        logits = logits.float() / temperature
-    student, neg_entropy = student_at_ids(
-        logits, ids, zero_outside_topk=zero_outside_topk, with_entropy=with_entropy
-    )
-    last = neg_entropy if neg_entropy is not None else student.new_zeros(student.shape[:-1])
-    return torch.cat([student, last.unsqueeze(-1)], dim=-1)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlfleet.config.preference import PREFERENCE_DATASETS
+from rlfleet.config.preferences import PREFERENCE_DATASETS
 from rlfleet.config.schema import DataConfig, MasterConfig
 from rlfleet.data import resolve_system_prompt
 from rlfleet.data.errors import DataError

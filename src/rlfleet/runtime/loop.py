@@ -18,8 +18,8 @@ from typing import Any
 from rlfleet.checkpoint import CheckpointManager
 from rlfleet.checkpoint.space import ensure_disk
 from rlfleet.config import MasterConfig, check_config, config_to_yaml
+from rlfleet.config.algorithm import Algorithm
 from rlfleet.config.capabilities import uses_ray
-from rlfleet.config.checks import Algorithm
 from rlfleet.config.layout import ResourceLayout
 from rlfleet.data import ResumableLoader, load_task, resolve_system_prompt
 from rlfleet.generation import GenerationBackend
@@ -126,7 +126,7 @@ def start_run(
     its pairs, tokenised once the policy's tokenizer is loaded (their rows were read and checked before).
     Without ``generation`` (a reward model's run: preference pairs, nothing sampled) no generation engine
     and no environment is started (the backend is ``NoGeneration``). ``max_turns``: the model turns of
-    the algorithm's episodes (its ``rlfleet.config.algorithm_settings`` ``rollout_turns``; one by default).
+    the algorithm's episodes (its ``rlfleet.config.algorithm`` ``rollout_turns``; one by default).
 
     When any step fails, whatever was already started (Ray actors, environment worker processes, loggers)
     is released before the error propagates; once this returns, the context owns it all and

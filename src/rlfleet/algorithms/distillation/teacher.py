@@ -14,9 +14,9 @@ import functools
 import torch
 from transformers import PreTrainedModel
 
+from rlfleet.algorithms.distillation.kl import MAX_EXACT_ID, teacher_topk
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch
-from rlfleet.policy.distillation_math import MAX_EXACT_ID, teacher_topk
 from rlfleet.policy.logprobs import Readout, batch_logprobs
 from rlfleet.policy.microbatch import MicroBatching
 from rlfleet.policy.worker import default_device

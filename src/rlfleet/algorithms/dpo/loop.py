@@ -21,13 +21,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from rlfleet.algorithms.base import Trainer
+from rlfleet.algorithms.dpo.config import DPOConfig
 from rlfleet.algorithms.overlong import OverlongShaping
-from rlfleet.config import MasterConfig, check_config, ensure_runnable
-from rlfleet.config.layout import resource_layout
-from rlfleet.config.preference import DPOConfig
+from rlfleet.config import MasterConfig
 from rlfleet.data.preferences import PreferencePair
-from rlfleet.generation import GenerationBackend, SamplingParams
-from rlfleet.memory.planner import ensure_fits, resolve_batching
+from rlfleet.generation import SamplingParams
 from rlfleet.policy.loss_functions import DPOLossFn
 from rlfleet.rollouts.collect import GroupCollector
 from rlfleet.rollouts.evaluate import evaluate
@@ -40,7 +39,7 @@ from rlfleet.rollouts.pairs import (
 )
 from rlfleet.rollouts.rollout import Rollout, accuracy
 from rlfleet.runtime.components import micro_batching
-from rlfleet.runtime.loop import RunContext, closing_run, finished_run, run_loop, start_run, step_seed
+from rlfleet.runtime.loop import step_seed
 from rlfleet.utils.timing import PhaseTimer
 
 
@@ -54,44 +53,29 @@ def dpo_loss_fn(dpo: DPOConfig) -> DPOLossFn:
     )
 
 
-class DPO:
-    """The DPO trainer: ``DPO(cfg).train()`` runs (or resumes) the configured job."""
+class DPO(Trainer):
+    """The DPO trainer: ``DPO.run(cfg)`` runs (or resumes) the configured job."""
 
-    backend: GenerationBackend
-    ctx: RunContext  # the policy and its frozen reference, the episodes, the loader, logger and checkpoints
+    algorithm = "dpo"
 
     def __init__(self, cfg: MasterConfig) -> None:
-        layout = resource_layout(cfg)  # computed once for the checks and the run
-        check_config(cfg, "dpo", layout=layout)
-        ensure_runnable(cfg, layout=layout)
-        batching = resolve_batching(cfg, layout, "dpo")  # token budgets: the recipe's, or fitted here
-        ensure_fits(cfg, layout, batching, "dpo")  # before any model is loaded
-        self.cfg, dpo = cfg, cfg.dpo
+        super().__init__(cfg)
+        dpo = cfg.dpo
         self.loss_fn = dpo_loss_fn(dpo)
-        train = micro_batching(cfg, "train", batching)  # policy.train_micro_batch_size counts pairs
+        train = micro_batching(cfg, "train", self.batching)  # policy.train_micro_batch_size counts pairs
         self.train_batching = replace(train, rows=2 * train.rows, pairs=True)
-        self.logprob_batching = micro_batching(cfg, "logprob", batching)
-        self.data_parallel = layout.train_dp
+        self.logprob_batching = micro_batching(cfg, "logprob", self.batching)
+        self.data_parallel = self.layout.train_dp
         self.source = PairSource.of(cfg.data)
-        self.ctx, self.backend, self.data = start_run(
-            cfg,
-            layout,
-            seed=dpo.seed,
-            keep_reference=True,
-            max_val_samples=dpo.max_val_samples,
+        self.start(
             batch_size=cfg.policy.train_global_batch_size,
-            max_num_steps=dpo.max_num_steps,
-            max_num_epochs=dpo.max_num_epochs,
+            max_val_samples=dpo.max_val_samples,
             pairs=self.source,
-            max_turns=dpo.max_rollout_turns,
         )
         self.val_pairs: list[PreferencePair] = []
         if not self.source.sampled:
-            try:
+            with self.closing_on_failure():
                 val = self.source.tokenize(self.ctx.policy.tokenizer, cfg, val=True)
-            except BaseException:
-                with closing_run(self.ctx):  # releases what start_run started, then re-raises
-                    raise
             self.val_pairs = val[: dpo.val_batches * dpo.val_global_batch_size]
         generation, sampled = cfg.policy.generation, dpo.sampled_pairs
         self.sampling = SamplingParams(
@@ -179,20 +163,7 @@ class DPO:
             reference=True,
         )
 
-    def train(self) -> dict[str, float]:
-        dpo = self.cfg.dpo
-        return run_loop(
-            self.ctx,
-            "dpo",
-            self.step,
-            self.validate,
-            val_period=dpo.val_period,
-            val_at_start=dpo.val_at_start,
-            val_at_end=dpo.val_at_end,
-        )
-
 
 def dpo_train(cfg: MasterConfig) -> dict[str, float]:
     """Runs (or resumes) DPO as configured; returns the last step's metrics."""
-    done = finished_run(cfg, "dpo", cfg.dpo.max_num_steps)  # a finished run starts nothing
-    return done if done is not None else DPO(cfg).train()
+    return DPO.run(cfg)

@@ -1,6 +1,6 @@
 """Building the distillation teacher from the config: checked against the student from their files before any
 weights load, then started in the trainer's process (one-process runs) or in a Ray actor of its own (runs
-on Ray, :mod:`rlfleet.distributed.ray_teacher`)."""
+on Ray, :mod:`rlfleet.algorithms.distillation.ray_teacher`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from typing import Protocol
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from rlfleet.algorithms.distillation.checks import teacher_problems
+from rlfleet.algorithms.distillation.teacher import Teacher
 from rlfleet.config import MasterConfig
 from rlfleet.config.capabilities import uses_ray
-from rlfleet.config.distillation_checks import teacher_problems
 from rlfleet.config.errors import ConfigError
 from rlfleet.config.layout import ResourceLayout
 from rlfleet.config.resolved import teacher_precision
@@ -19,7 +20,6 @@ from rlfleet.errors import UserError
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.microbatch import MicroBatching
-from rlfleet.policy.teacher import Teacher
 from rlfleet.runtime.components import model_source
 
 
@@ -84,7 +84,7 @@ def start_teacher(cfg: MasterConfig, layout: ResourceLayout) -> TeacherHandle:
     assert cfg.teacher is not None
     temperature = cfg.teacher.generation.temperature
     if uses_ray(cfg, layout=layout):
-        from rlfleet.distributed.ray_teacher import RayTeacher
+        from rlfleet.algorithms.distillation.ray_teacher import RayTeacher
 
         return RayTeacher.start(source, temperature)
     return Teacher(source, temperature)

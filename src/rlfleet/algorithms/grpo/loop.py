@@ -40,15 +40,14 @@ from typing import Any
 
 import torch
 
-from rlfleet.algorithms.advantages import group_advantages, signal_metrics, zero_variance_fraction
+from rlfleet.algorithms.base import Trainer
+from rlfleet.algorithms.grpo.advantages import group_advantages, signal_metrics, zero_variance_fraction
 from rlfleet.algorithms.overlong import OverlongShaping, mask_truncated
-from rlfleet.config import MasterConfig, check_config, ensure_runnable
-from rlfleet.config.algorithm_settings import algorithm_settings
+from rlfleet.config import MasterConfig
 from rlfleet.config.batching import ResolvedBatching
-from rlfleet.config.layout import ResourceLayout, resource_layout
+from rlfleet.config.layout import ResourceLayout
 from rlfleet.config.resolved import truncation_type
-from rlfleet.generation import GenerationBackend, SamplingParams
-from rlfleet.memory.planner import ensure_fits, resolve_batching
+from rlfleet.generation import SamplingParams
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
 from rlfleet.policy.microbatch import MicroBatching, computed_rows
@@ -58,7 +57,7 @@ from rlfleet.rollouts.evaluate import evaluate
 from rlfleet.rollouts.prefetch import RolloutPrefetcher
 from rlfleet.rollouts.rollout import Rollout, accuracy, mean_response_length
 from rlfleet.runtime.components import flop_meter, micro_batching
-from rlfleet.runtime.loop import RunContext, closing_run, finished_run, run_loop, start_run, step_seed
+from rlfleet.runtime.loop import step_seed
 from rlfleet.utils.timing import PhaseTimer
 
 
@@ -111,11 +110,10 @@ class Update:
     trained: UpdateBatch
 
 
-class GRPO:
-    """The GRPO trainer: ``GRPO(cfg).train()`` runs (or resumes) the configured job."""
+class GRPO(Trainer):
+    """The GRPO trainer: ``GRPO.run(cfg)`` runs (or resumes) the configured job."""
 
-    backend: GenerationBackend
-    ctx: RunContext  # the policy, the reward workers, the loader, logger and checkpoints
+    algorithm = "grpo"
     settings: GRPOSettings
 
     def __init__(self, cfg: MasterConfig, *, always_compute_prev: bool = False) -> None:
@@ -126,27 +124,12 @@ class GRPO:
             always_compute_prev: Compute the previous-policy logprobs in a separate pass even when the
                 training forward's own would do (to check that the two give the same update).
         """
-        layout = resource_layout(cfg)  # computed once for the checks, the workers and the loop
-        check_config(cfg, "grpo", layout=layout)
-        ensure_runnable(cfg, layout=layout)
-        batching = resolve_batching(cfg, layout, "grpo")  # token budgets: the recipe's, or fitted here
-        ensure_fits(cfg, layout, batching, "grpo")  # before any model is loaded
-        self.cfg, self.settings = cfg, grpo_settings(cfg, layout, batching)
+        super().__init__(cfg)
+        self.settings = grpo_settings(cfg, self.layout, self.batching)
         self.always_compute_prev = always_compute_prev
         age = self.settings.max_trajectory_age
         self.prefetcher = RolloutPrefetcher[Collected](age) if age is not None else None
-        grpo = cfg.grpo
-        self.ctx, self.backend, self.data = start_run(
-            cfg,
-            layout,
-            seed=grpo.seed,
-            keep_reference=algorithm_settings(cfg, "grpo").keeps_reference,  # as the memory plan counts it
-            max_val_samples=grpo.max_val_samples,
-            batch_size=self.settings.prompts_per_round,
-            max_num_steps=grpo.max_num_steps,
-            max_num_epochs=grpo.max_num_epochs,
-            max_turns=grpo.max_rollout_turns,
-        )
+        self.start(batch_size=self.settings.prompts_per_round, max_val_samples=cfg.grpo.max_val_samples)
         self.collect = GroupCollector(
             self.ctx.episodes,
             self.ctx.loader,
@@ -155,11 +138,8 @@ class GRPO:
             self._round_seed,
             self.settings.dynamic_sampling,
         )
-        try:
-            self.flops = flop_meter(cfg, self.ctx.policy, layout)  # MFU on GPUs with a known peak
-        except BaseException:
-            with closing_run(self.ctx):  # releases the workers started above, then re-raises
-                raise
+        with self.closing_on_failure():
+            self.flops = flop_meter(cfg, self.ctx.policy, self.layout)  # MFU on GPUs with a known peak
 
     def _round_seed(self, step: int, round_index: int) -> int:
         """Round 0 keeps the step's seed; DAPO's later rounds get their own (salt 1 is validation's)."""
@@ -336,7 +316,7 @@ class GRPO:
         if samples:
             self.ctx.logger.log_samples(self.ctx.step + 1, samples)
 
-    def _checkpoint_loader_state(self) -> dict[str, Any]:
+    def checkpoint_loader_state(self) -> dict[str, Any]:
         """The loader position a checkpoint records: from before a prefetched batch was drawn, if any."""
         pending = self.prefetcher.resume_state if self.prefetcher is not None else None
         return pending if pending is not None else self.ctx.loader.state_dict()
@@ -346,22 +326,9 @@ class GRPO:
         result = evaluate(self.ctx.episodes, self.data.val, self.settings.validation_sampling, seed)
         return result.metrics("val")
 
-    def train(self) -> dict[str, float]:
-        grpo = self.cfg.grpo
-        try:
-            return run_loop(
-                self.ctx,
-                "grpo",
-                self.step,
-                self.validate,
-                val_period=grpo.val_period,
-                val_at_start=grpo.val_at_start,
-                val_at_end=grpo.val_at_end,
-                loader_state=self._checkpoint_loader_state,
-            )
-        finally:
-            if self.prefetcher is not None:
-                self.prefetcher.close()
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
 
 
 def inert_rows(batch: TrainBatch, kl_penalty: float) -> torch.Tensor:
@@ -395,8 +362,7 @@ def collected_timing(collected: Collected) -> dict[str, float]:
 
 def grpo_train(cfg: MasterConfig) -> dict[str, float]:
     """Runs (or resumes) GRPO as configured; returns the last step's metrics."""
-    done = finished_run(cfg, "grpo", cfg.grpo.max_num_steps)  # a finished run starts nothing
-    return done if done is not None else GRPO(cfg).train()
+    return GRPO.run(cfg)
 
 
 def loss_fn_from_config(cfg: MasterConfig) -> ClippedPGLossFn:

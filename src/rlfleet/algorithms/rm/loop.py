@@ -19,59 +19,33 @@ loads); sequence packing and dynamic batching work as for DPO (NeMo RL refuses p
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 
-from rlfleet.config import MasterConfig, check_config, ensure_runnable
-from rlfleet.config.layout import resource_layout
+from rlfleet.algorithms.base import Trainer
+from rlfleet.config import MasterConfig
 from rlfleet.data.preferences import PreferencePair
-from rlfleet.memory.planner import ensure_fits, resolve_batching
 from rlfleet.policy.loss_functions import PreferenceLossFn
 from rlfleet.rollouts.pairs import PairSource, pair_batch, pair_validation
 from rlfleet.runtime.components import micro_batching
-from rlfleet.runtime.loop import RunContext, closing_run, finished_run, run_loop, start_run
 from rlfleet.utils.timing import PhaseTimer
 
 
-def step_limit(max_num_steps: int) -> int:
-    """``rm.max_num_steps`` as a bound on the steps: -1 (NeMo RL's "no limit") leaves ``max_num_epochs``
-    to decide."""
-    return sys.maxsize if max_num_steps < 0 else max_num_steps
+class RM(Trainer):
+    """The reward-model trainer: ``RM.run(cfg)`` runs (or resumes) the configured job."""
 
-
-class RM:
-    """The reward-model trainer: ``RM(cfg).train()`` runs (or resumes) the configured job."""
-
-    ctx: RunContext  # the reward model, the pairs' loader, logger and checkpoints
+    algorithm = "rm"
 
     def __init__(self, cfg: MasterConfig) -> None:
-        layout = resource_layout(cfg)  # computed once for the checks and the run
-        check_config(cfg, "rm", layout=layout)
-        ensure_runnable(cfg, layout=layout)
-        batching = resolve_batching(cfg, layout, "rm")  # token budgets: the recipe's, or fitted here
-        ensure_fits(cfg, layout, batching, "rm")  # before any model is loaded
-        self.cfg, rm = cfg, cfg.rm
-        train = micro_batching(cfg, "train", batching)  # policy.train_micro_batch_size counts pairs
+        super().__init__(cfg)
+        train = micro_batching(cfg, "train", self.batching)  # policy.train_micro_batch_size counts pairs
         self.train_batching = replace(train, rows=2 * train.rows, pairs=True)
-        self.data_parallel = layout.train_dp
+        self.data_parallel = self.layout.train_dp
         source = PairSource.of(cfg.data)  # every row read and checked (the checks refuse a task)
-        self.ctx, _, _ = start_run(
-            cfg,
-            layout,
-            seed=rm.seed,
-            keep_reference=False,
-            max_val_samples=1,  # no task prompts: the validation is on pairs
-            batch_size=cfg.policy.train_global_batch_size,
-            max_num_steps=step_limit(rm.max_num_steps),
-            max_num_epochs=rm.max_num_epochs,
-            pairs=source,
-            generation=False,
-        )
-        try:
+        # no task prompts: the validation is on pairs
+        self.start(batch_size=cfg.policy.train_global_batch_size, pairs=source, generation=False)
+        with self.closing_on_failure():
             val = source.tokenize(self.ctx.policy.tokenizer, cfg, val=True)
-        except BaseException:
-            with closing_run(self.ctx):  # releases what start_run started, then re-raises
-                raise
+        rm = cfg.rm
         limit = rm.val_batches * rm.val_global_batch_size if rm.val_batches > 0 else len(val)
         self.val_pairs: list[PreferencePair] = val[:limit]
         self.loss_fn = PreferenceLossFn(pad_token_id=self.ctx.policy.tokenizer.pad_token_id)
@@ -108,20 +82,7 @@ class RM:
             reference=False,
         )
 
-    def train(self) -> dict[str, float]:
-        rm = self.cfg.rm
-        return run_loop(
-            self.ctx,
-            "rm",
-            self.step,
-            self.validate,
-            val_period=rm.val_period,
-            val_at_start=rm.val_at_start,
-            val_at_end=rm.val_at_end,
-        )
-
 
 def rm_train(cfg: MasterConfig) -> dict[str, float]:
     """Runs (or resumes) reward-model training as configured; returns the last step's metrics."""
-    done = finished_run(cfg, "rm", step_limit(cfg.rm.max_num_steps))  # a finished run starts nothing
-    return done if done is not None else RM(cfg).train()
+    return RM.run(cfg)

@@ -1,36 +1,35 @@
 """On-policy distillation: the student samples, a frozen teacher grades every token of what it sampled with
 its top-k distribution, and the student is trained on the per-token KL to it (NeMo RL's
-``nemo_rl/algorithms/distillation.py``, its ``distillation.*`` and ``loss_fn`` keys and ``teacher:`` block).
+``nemo_rl/algorithms/distillation.py``, its ``distillation.*`` and ``loss_fn`` keys and ``teacher:``
+block).
 
 A step is: collect (``P`` prompts x ``G`` student samples, single- or multi-turn episodes scored by their
-environment for the metrics; :mod:`rlfleet.rollouts.collect`) -> the teacher's top ``k`` logprobs and ids
-at every position of those sequences (one prefill pass, never the full vocabulary per token;
-:mod:`rlfleet.policy.teacher`) -> optimizer steps on ``DistillationLossFn`` (the student read at the
-teacher's ids; :mod:`rlfleet.policy.loss_functions`), a mean over the response tokens (a multi-turn
-episode's own turns) -> refit the generation weights. The run around it validates (the task's greedy
-accuracy), checkpoints, resumes and logs (:mod:`rlfleet.runtime.loop`).
+environment for the metrics; :mod:`rlfleet.rollouts.collect`) -> the teacher's top ``k`` logprobs and ids at
+every position of those sequences (one prefill pass, never the full vocabulary per token;
+:mod:`rlfleet.algorithms.distillation.teacher`) -> optimizer steps on ``DistillationLossFn`` (the student read
+at the teacher's ids; :mod:`rlfleet.algorithms.distillation.loss`), a mean over the response tokens (a
+multi-turn episode's own turns) -> refit the generation weights. The run around it validates (the task's
+greedy accuracy), checkpoints, resumes and logs (:mod:`rlfleet.runtime.loop`).
 
 The dense signal (a target distribution at every token instead of one reward per episode) is why a student
-learns from a teacher sooner than from rewards alone.
-"""
+learns from a teacher sooner than from rewards alone."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
 
-from rlfleet.config import MasterConfig, check_config, ensure_runnable
-from rlfleet.config.layout import resource_layout
-from rlfleet.generation import GenerationBackend, SamplingParams
-from rlfleet.memory.planner import ensure_fits, resolve_batching
+from rlfleet.algorithms.base import Trainer
+from rlfleet.algorithms.distillation.loss import DistillationLossFn
+from rlfleet.algorithms.distillation.teacher_setup import TeacherHandle, start_teacher
+from rlfleet.config import MasterConfig
+from rlfleet.generation import SamplingParams
 from rlfleet.policy.batch import collate
-from rlfleet.policy.loss_functions import DistillationLossFn
 from rlfleet.rollouts.collect import GroupCollector
 from rlfleet.rollouts.evaluate import evaluate
 from rlfleet.rollouts.rollout import Rollout, accuracy, mean_response_length
 from rlfleet.runtime.components import micro_batching
-from rlfleet.runtime.loop import RunContext, closing_run, finished_run, run_loop, start_run, step_seed
-from rlfleet.runtime.teacher import TeacherHandle, preflight_teacher, start_teacher
+from rlfleet.runtime.loop import step_seed
 from rlfleet.utils.timing import PhaseTimer
 
 
@@ -48,46 +47,27 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     }
 
 
-class Distillation:
-    """The on-policy distillation trainer: ``Distillation(cfg).train()`` runs (or resumes) the job."""
+class Distillation(Trainer):
+    """The on-policy distillation trainer: ``Distillation.run(cfg)`` runs (or resumes) the job."""
 
-    backend: GenerationBackend
-    ctx: RunContext  # the student and its generation, the environments, the loader, logger, checkpoints
+    algorithm = "distillation"
     teacher: TeacherHandle
 
     def __init__(self, cfg: MasterConfig) -> None:
-        layout = resource_layout(cfg)  # computed once for the checks and the run
-        check_config(cfg, "distillation", layout=layout)
-        ensure_runnable(cfg, layout=layout)
-        preflight_teacher(cfg)  # vocabularies and top-k against the teacher's files, before any weights
-        batching = resolve_batching(cfg, layout, "distillation")
-        ensure_fits(cfg, layout, batching, "distillation")  # the teacher's weights counted
-        self.cfg, d = cfg, cfg.distillation
+        super().__init__(cfg)  # its preflight: vocabularies and top-k against the teacher's files
+        d = cfg.distillation
         self.loss_fn = distillation_loss_fn(cfg)
-        self.train_batching = micro_batching(cfg, "train", batching)
+        self.train_batching = micro_batching(cfg, "train", self.batching)
         teacher = cfg.teacher
         assert teacher is not None  # check_config refused a recipe without one
         self.teacher_batching = replace(
-            micro_batching(cfg, "logprob", batching),
+            micro_batching(cfg, "logprob", self.batching),
             rows=teacher.logprob_batch_size,
             logprob_chunk=teacher.logprob_chunk_size,
         )
-        self.ctx, self.backend, self.data = start_run(
-            cfg,
-            layout,
-            seed=d.seed,
-            keep_reference=False,
-            max_val_samples=d.max_val_samples,
-            batch_size=d.num_prompts_per_step,
-            max_num_steps=d.max_num_steps,
-            max_num_epochs=d.max_num_epochs,
-            max_turns=d.max_rollout_turns,
-        )
-        try:  # after the student: on Ray its actor takes what the policy's workers left
-            self.teacher = start_teacher(cfg, layout)
-        except BaseException:
-            with closing_run(self.ctx):  # releases what start_run started, then re-raises
-                raise
+        self.start(batch_size=d.num_prompts_per_step, max_val_samples=d.max_val_samples)
+        with self.closing_on_failure():  # after the student: on Ray its actor takes what the policy's left
+            self.teacher = start_teacher(cfg, self.layout)
         generation = cfg.policy.generation
         self.sampling = SamplingParams(
             generation.max_new_tokens, generation.temperature, generation.top_p, generation.top_k
@@ -143,23 +123,10 @@ class Distillation:
         seed = step_seed(self.cfg.distillation.seed, self.ctx.step, salt=1)
         return evaluate(self.ctx.episodes, self.data.val, params, seed).metrics("val")
 
-    def train(self) -> dict[str, float]:
-        d = self.cfg.distillation
-        try:
-            return run_loop(
-                self.ctx,
-                "distillation",
-                self.step,
-                self.validate,
-                val_period=d.val_period,
-                val_at_start=d.val_at_start,
-                val_at_end=d.val_at_end,
-            )
-        finally:
-            self.teacher.close()
+    def close(self) -> None:
+        self.teacher.close()
 
 
 def distillation_train(cfg: MasterConfig) -> dict[str, float]:
     """Runs (or resumes) on-policy distillation as configured; returns the last step's metrics."""
-    done = finished_run(cfg, "distillation", cfg.distillation.max_num_steps)  # a finished run starts nothing
-    return done if done is not None else Distillation(cfg).train()
+    return Distillation.run(cfg)

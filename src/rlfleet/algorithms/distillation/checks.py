@@ -1,4 +1,4 @@
-"""The checks of on-policy distillation, one of the parts of :func:`rlfleet.config.checks.check_config`: the
+"""On-policy distillation's own config checks, run by :func:`rlfleet.config.checks.check_config`: the
 teacher block, the batch arithmetic, and the Ray layout. What needs the teacher's files (its vocabulary
 against the student's, ``topk_logits_k`` against it) is :func:`teacher_problems`, run before any weights
 load. Each problem names the key, the value, the constraint and a fix.
@@ -10,19 +10,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlfleet.config.distillation import TEACHER_KEYS, TEACHER_PLAN_KEYS, TEACHER_REFUSED_KEYS
+from rlfleet.algorithms.distillation.config import TEACHER_KEYS, TEACHER_PLAN_KEYS, TEACHER_REFUSED_KEYS
 from rlfleet.config.embedded import GENERATED_MODELS
+from rlfleet.config.layout import ResourceLayout
 from rlfleet.config.schema import MasterConfig, PolicyConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def distillation_problems(cfg: MasterConfig, algorithm: str) -> list[str]:
-    """Everything in the recipe alone that keeps ``cfg`` from running ``algorithm`` (distillation keys
-    set for another algorithm are not used, so they are not checked)."""
-    if algorithm != "distillation":
-        return []
+def distillation_problems(cfg: MasterConfig, layout: ResourceLayout) -> list[str]:
+    """Everything in the recipe alone that keeps ``cfg`` from running distillation (its description's
+    ``checks``; distillation keys set for another algorithm are not used, so they are not checked)."""
     teacher, problems = cfg.teacher, []
     if teacher is None or not teacher.model_name:
         return [

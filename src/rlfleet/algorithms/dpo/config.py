@@ -1,5 +1,4 @@
-"""Config sections of learning from preferences (NeMo RL's keys): DPO (``dpo.*``), Bradley-Terry reward
-models (``rm.*`` and ``policy.reward_model_cfg``)."""
+"""DPO's config section (NeMo RL's ``dpo.*`` keys)."""
 
 from __future__ import annotations
 
@@ -7,9 +6,6 @@ from pydantic import Field
 
 from rlfleet.config.shaping import RewardShapingConfig
 from rlfleet.config.strict import Strict
-
-PREFERENCE_DATASETS = ("PreferenceDataset", "BinaryPreferenceDataset")
-"""``data.dataset_name`` values that are preference data (NeMo RL's names); any other is a task."""
 
 
 class SampledPairsConfig(Strict):
@@ -61,39 +57,3 @@ class DPOConfig(Strict):
     preference_average_log_probs: bool = Field(False, description="Mean, not sum, of the logprob ratios.")
     sft_average_log_probs: bool = Field(False, description="Token mean, not sum, of the SFT term's NLL.")
     sampled_pairs: SampledPairsConfig = SampledPairsConfig()
-
-
-REWARD_MODEL_TYPES = ("bradley_terry",)
-"""``policy.reward_model_cfg.reward_model_type`` values this build trains (NeMo RL also has ``regression``,
-its token-level value models)."""
-
-
-class RewardModelCfg(Strict):
-    """``policy.reward_model_cfg`` (NeMo RL's keys): load the policy as a reward model, a sequence classifier
-    with one label (the backbone of ``policy.model_name`` and a new score head), which ``rlfleet rm``
-    trains and no other algorithm can (it has no language-model head)."""
-
-    enabled: bool = Field(False, description="Load the model as a reward model (rm recipes: true).")
-    reward_model_type: str = Field(
-        "bradley_terry", description="bradley_terry (one scalar score per sequence) is the one trained here."
-    )
-
-
-class RMConfig(Strict):
-    """Bradley-Terry reward-model training (NeMo RL ``rm.*``, its defaults). A step takes
-    ``policy.train_global_batch_size`` pairs of a preference dataset (twice as many rows: chosen and
-    rejected) and makes one optimizer step on ``-log sigmoid(r_chosen - r_rejected)``, ``r`` the model's
-    score of the sequence at its last token; ``policy.train_micro_batch_size`` counts pairs too.
-    """
-
-    max_num_steps: int = Field(
-        -1, ge=-1, description="Stop after this many steps; -1: no limit (max_num_epochs decides)."
-    )
-    max_num_epochs: int = Field(1, ge=1)
-    val_period: int = Field(16, ge=0)
-    val_batches: int = Field(-1, ge=-1, description="Validation batches of pairs; -1: every validation pair.")
-    val_global_batch_size: int = Field(32, ge=1, description="Pairs per validation batch.")
-    val_micro_batch_size: int = Field(1, ge=1, description="Pairs per validation forward pass.")
-    val_at_start: bool = False
-    val_at_end: bool = False
-    seed: int = 42

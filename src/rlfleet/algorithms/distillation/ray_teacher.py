@@ -18,11 +18,11 @@ import ray
 import ray.exceptions
 import torch
 
+from rlfleet.algorithms.distillation.teacher import Teacher
 from rlfleet.errors import UserError
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.microbatch import MicroBatching
-from rlfleet.policy.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
