@@ -24,13 +24,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlfleet.algorithms.evaluation import run_eval
 from rlfleet.algorithms.grpo.loop import grpo_train
 from rlfleet.algorithms.sft.loop import sft_train
 from rlfleet.checkpoint import CheckpointManager, export_hf
 from rlfleet.config import MasterConfig, load_recipe, resolve_recipe_path
 from rlfleet.demo import ensure_tiny_model, stage_overrides
 from rlfleet.logging import read_metrics
+from rlfleet.runtime.eval_command import run_eval
 
 SFT = "sft-tiny-multiplication-tools-cpu"
 GRPO = "grpo-tiny-multiplication-tools-cpu"

@@ -79,12 +79,12 @@ def _worker(mode: str, precision: str, recipe: str = RECIPE, compile: bool = Fal
     from rlfleet.config import load_recipe, resolve_recipe_path
     from rlfleet.models.loading import ModelSource
     from rlfleet.policy.loss_functions import ClippedPGLossFn
-    from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
+    from rlfleet.policy.rank import OptimizerSettings, PolicyRank
 
     cfg = load_recipe(resolve_recipe_path(recipe), overrides(mode, "train", 256, "bfloat16"))
     settings = OptimizerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, max_grad_norm=1.0)
     source = ModelSource(cfg.policy.model_name, precision, cfg.policy.gguf_file)
-    worker = PolicyWorker(
+    worker = PolicyRank(
         source,
         settings,
         keep_reference=False,

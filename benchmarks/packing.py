@@ -1,6 +1,6 @@
 """Padding and time of the logprob and training passes: fixed-row micro-batches, dynamic batching, packing.
 
-One ``PolicyWorker`` (float32, CPU unless CUDA is there) runs, for each length distribution, the same batch
+One ``PolicyRank`` (float32, CPU unless CUDA is there) runs, for each length distribution, the same batch
 of rows through ``worker.logprobs`` and one ``worker.train`` step (clipped policy-gradient loss, one
 optimizer step over the whole batch) in three layouts:
 
@@ -52,7 +52,7 @@ from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
 from rlfleet.policy.microbatch import MicroBatching, padding_fraction, plan_micro_batches, row_lengths
-from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
+from rlfleet.policy.rank import OptimizerSettings, PolicyRank
 
 SETTINGS = OptimizerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, max_grad_norm=1.0)
 LOSS = ClippedPGLossFn(
@@ -82,7 +82,7 @@ def lengths_of(distribution: str, rows: int, max_new_tokens: int, seed: int) -> 
     return out
 
 
-def make_batch(worker: PolicyWorker, pairs: list[tuple[int, int]], seed: int) -> TrainBatch:
+def make_batch(worker: PolicyRank, pairs: list[tuple[int, int]], seed: int) -> TrainBatch:
     gen = torch.Generator().manual_seed(seed)
     vocab = worker.tokenizer.vocab_size
     prompts = [torch.randint(3, vocab - 1, (p,), generator=gen).tolist() for p, _ in pairs]
@@ -97,9 +97,7 @@ def seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def run(
-    worker: PolicyWorker, batch: TrainBatch, layouts: dict[str, MicroBatching], repeats: int
-) -> list[dict]:
+def run(worker: PolicyRank, batch: TrainBatch, layouts: dict[str, MicroBatching], repeats: int) -> list[dict]:
     """Median seconds per layout; the layouts take turns (round-robin) so a load that drifts over the run
     weighs on all of them alike, and the first round is an untimed warm-up."""
     weights = copy.deepcopy(worker.model.state_dict())
@@ -179,7 +177,7 @@ def main() -> None:
     if model is None:
         cfg = load_recipe(resolve_recipe_path("sft-tiny-arithmetic-cpu"))
         model = str(ensure_tiny_model(scratch_dir("rlfleet-packing-") / "tiny", cfg, seed=0))
-    worker = PolicyWorker(ModelSource(model, "float32", args.gguf_file), SETTINGS, keep_reference=False)
+    worker = PolicyRank(ModelSource(model, "float32", args.gguf_file), SETTINGS, keep_reference=False)
     print(f"model {args.model or 'tiny default'}, {torch.get_num_threads()} threads, device {worker.device}")
     for distribution in args.distributions:
         pairs = lengths_of(distribution, args.rows, args.max_new_tokens, seed=0)

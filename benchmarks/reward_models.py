@@ -49,7 +49,7 @@ from rlfleet.demo import stage_overrides
 from rlfleet.environments.reward_model import RewardModelEnvironment
 from rlfleet.logging import read_metrics
 from rlfleet.rewards import math_reward
-from rlfleet.rollouts.evaluate import evaluate
+from rlfleet.rollouts.validation import evaluate
 from rlfleet.runtime.loop import step_seed
 
 RM_RECIPE, GRPO_RECIPE = "rm-tiny-arithmetic-cpu", "grpo-tiny-arithmetic-cpu"

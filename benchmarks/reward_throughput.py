@@ -19,8 +19,8 @@ from pathlib import Path
 
 from math_verify import parse, verify
 
+from rlfleet.pools import ProcessWorkerPool
 from rlfleet.rewards import extract_gold, math_reward
-from rlfleet.workers import ProcessWorkerPool
 
 Item = tuple[str, str, str]
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k" / "test.jsonl"  # 1,319 rows

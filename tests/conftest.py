@@ -27,7 +27,7 @@ from rlfleet.data import load_task, render_prompt
 from rlfleet.models.tiny import TinyModelSpec, create_tiny_model, train_tokenizer
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import ClippedPGLossFn
-from rlfleet.policy.worker import OptimizerSettings
+from rlfleet.policy.rank import OptimizerSettings
 
 # The memory refusal compares a recipe with the memory this machine has free at that moment, which the
 # other tests running beside it change: off for the suite; tests/unit/test_memory_estimate.py turns it on
@@ -528,7 +528,7 @@ def _ray_needed_after(request: pytest.FixtureRequest) -> bool:
 def world_of_one() -> Iterator[None]:
     """A one-rank process group in this process (an in-memory store, no port); NCCL where CUDA is, else gloo.
 
-    For running a ``ShardedPolicyWorker`` (FSDP2 on a mesh of one) in the test process.
+    For running a ``ShardedPolicyRank`` (FSDP2 on a mesh of one) in the test process.
     """
     import torch.distributed as dist
 

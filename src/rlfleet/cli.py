@@ -95,7 +95,7 @@ def check_inputs(cfg: MasterConfig) -> list[str]:
         UserError: An environment that is not configured, does not import or cannot be built.
     """
     from rlfleet.data import hub_sources, load_task
-    from rlfleet.rollouts.environments import load_environments
+    from rlfleet.rollouts.environment_setup import load_environments
     from rlfleet.rollouts.pairs import PairSource
 
     hub = hub_sources(cfg.data)
@@ -149,7 +149,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from rlfleet.algorithms.evaluation import run_eval
+    from rlfleet.runtime.eval_command import run_eval
 
     recipe, checkpoint = _target(args.target)
     cfg = _load(recipe, args.overrides)
@@ -180,7 +180,7 @@ def _target(target: str) -> tuple[str, Path | None]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from rlfleet.runtime.serve import serve
+    from rlfleet.runtime.serve_command import serve
     from rlfleet.serving.server import ServerSettings
 
     recipe, checkpoint = _target(args.target)

@@ -24,7 +24,7 @@ from rlfleet.models.lora import LoraSettings, WithoutAdapters
 from rlfleet.models.tiny import create_tiny_model
 from rlfleet.policy.logprobs import batch_logprobs, token_logprobs
 from rlfleet.policy.microbatch import MicroBatching
-from rlfleet.policy.worker import PolicyWorker
+from rlfleet.policy.rank import PolicyRank
 from tests.conftest import TEST_OPTIMIZER, TEST_SPEC, _arithmetic_corpus, pg_loss
 from tests.functional.test_packing import LAYOUTS, PADDED, make_batch, make_worker
 from tests.functional.test_skip_inert_rows import assert_same_step, train_on_two_ray_ranks
@@ -36,7 +36,7 @@ def chunked(batching: MicroBatching, chunk: int = CHUNK) -> MicroBatching:
     return replace(batching, logprob_chunk=chunk)
 
 
-def weights(worker: PolicyWorker) -> dict[str, torch.Tensor]:
+def weights(worker: PolicyRank) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in worker.model.named_parameters()}
 
 
@@ -97,10 +97,10 @@ def untied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_tiny_model(tmp_path_factory.mktemp("untied") / "model", _arithmetic_corpus(), spec, seed=0)
 
 
-def _lora_worker(model_dir: Path) -> PolicyWorker:
+def _lora_worker(model_dir: Path) -> PolicyRank:
     torch.manual_seed(0)
     settings = LoraSettings(dim=4, alpha=8.0, match_all_linear=True)  # lm_head included: it is untied
-    worker = PolicyWorker(ModelSource(str(model_dir)), TEST_OPTIMIZER, keep_reference=True, lora=settings)
+    worker = PolicyRank(ModelSource(str(model_dir)), TEST_OPTIMIZER, keep_reference=True, lora=settings)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # trained adapters: they change the output
         for name, p in worker.model.named_parameters():
@@ -194,7 +194,7 @@ def test_a_model_that_transforms_its_logits_is_refused() -> None:
 
 
 def test_the_recipe_key_reaches_both_passes() -> None:
-    from rlfleet.algorithms.grpo.describe import describe_algorithm
+    from rlfleet.algorithms.grpo.describe import describe_grpo
     from rlfleet.config.batching import recipe_batching
     from rlfleet.config.loader import load_recipe, resolve_recipe_path
     from rlfleet.runtime.components import micro_batching
@@ -205,7 +205,7 @@ def test_the_recipe_key_reaches_both_passes() -> None:
         )
         assert micro_batching(cfg, "train", recipe_batching(cfg.policy)).logprob_chunk == 512
         assert micro_batching(cfg, "logprob", recipe_batching(cfg.policy)).logprob_chunk == 512
-        assert "in chunks of 512 tokens" in dict(describe_algorithm(cfg))["micro-batches"]
+        assert "in chunks of 512 tokens" in dict(describe_grpo(cfg))["micro-batches"]
     cfg = load_recipe(
         resolve_recipe_path("grpo-smollm2-135m-arithmetic-cpu"), ["policy.logprob_chunk_size=null"]
     )

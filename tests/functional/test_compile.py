@@ -24,7 +24,7 @@ from rlfleet.policy.microbatch import (
     step_normalizer,
     trained_rows,
 )
-from rlfleet.policy.worker import PolicyWorker
+from rlfleet.policy.rank import PolicyRank
 from tests.conftest import TEST_OPTIMIZER, pg_loss, worker_batch
 
 PACKED = MicroBatching(rows=4, tokens=64, pack=True)
@@ -33,7 +33,7 @@ PACKED = MicroBatching(rows=4, tokens=64, pack=True)
 BF16_TOLERANCE = {"rtol": 3e-2, "atol": 3e-3}
 
 
-def _gradients(worker: PolicyWorker, batch: TrainBatch) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+def _gradients(worker: PolicyRank, batch: TrainBatch) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """The loss metrics and every parameter's gradient of one packed training pass over ``batch``."""
     plan = plan_trained_micro_batches(row_lengths(batch), trained_rows(batch), PACKED)[0]
     norm = step_normalizer(step_counts(batch))
@@ -51,9 +51,9 @@ def test_compiled_layers_give_the_eager_logprobs_loss_and_gradients(
     monkeypatch.delenv(CACHE_ENV, raising=False)  # set again (to rlfleet's cache) by compile_layers
     source = ModelSource(str(tiny_model_dir), "bfloat16")
     kwargs = {"keep_reference": True, "activation_checkpointing": True}
-    eager = PolicyWorker(source, TEST_OPTIMIZER, **kwargs)
+    eager = PolicyRank(source, TEST_OPTIMIZER, **kwargs)
     before = compile_seconds()
-    compiled = PolicyWorker(source, TEST_OPTIMIZER, torch_compile=True, **kwargs)
+    compiled = PolicyRank(source, TEST_OPTIMIZER, torch_compile=True, **kwargs)
     assert compiled.compiled and not eager.compiled
     assert compile_cache_dir() == tmp_path / "cache" / "inductor"
 

@@ -18,7 +18,7 @@ from rlfleet.algorithms.distillation.teacher import model_topk
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.loss_math import Normalizer
 from rlfleet.policy.microbatch import MicroBatching
-from rlfleet.policy.worker import PolicyWorker
+from rlfleet.policy.rank import PolicyRank
 from tests.functional.test_packing import LAYOUTS, PADDED, assert_same, gradients, make_batch, make_worker
 
 K = 6
@@ -30,7 +30,7 @@ ALL_LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def student(tiny_model_dir: Path) -> PolicyWorker:
+def student(tiny_model_dir: Path) -> PolicyRank:
     return make_worker(tiny_model_dir)
 
 
@@ -51,7 +51,7 @@ def with_teacher(batch: TrainBatch, teacher: torch.nn.Module) -> TrainBatch:
 
 
 def test_teacher_top_k_is_the_full_logits_top_k_at_each_next_position(
-    student: PolicyWorker, teacher: torch.nn.Module
+    student: PolicyRank, teacher: torch.nn.Module
 ) -> None:
     batch = make_batch(student)
     logprobs, ids = model_topk(teacher, batch, PADDED, K)
@@ -66,7 +66,7 @@ def test_teacher_top_k_is_the_full_logits_top_k_at_each_next_position(
 
 @pytest.mark.parametrize("layout", sorted(ALL_LAYOUTS))
 def test_teacher_top_k_is_the_same_in_every_layout(
-    student: PolicyWorker, teacher: torch.nn.Module, layout: str
+    student: PolicyRank, teacher: torch.nn.Module, layout: str
 ) -> None:
     batch = make_batch(student)
     want_lp, want_ids = model_topk(teacher, batch, PADDED, K)
@@ -77,7 +77,7 @@ def test_teacher_top_k_is_the_same_in_every_layout(
     assert torch.equal(torch.cat([h[1] for h in halves]), want_ids)
 
 
-def _closed_form_loss(worker: PolicyWorker, batch: TrainBatch, loss_fn: DistillationLossFn) -> torch.Tensor:
+def _closed_form_loss(worker: PolicyRank, batch: TrainBatch, loss_fn: DistillationLossFn) -> torch.Tensor:
     """The distillation loss from the student's full logits, written out without the readout."""
     logits = worker.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     assert batch.teacher_topk_ids is not None and batch.teacher_topk_logprobs is not None
@@ -103,7 +103,7 @@ LOSSES = {
 
 @pytest.mark.parametrize("loss", sorted(LOSSES))
 def test_student_loss_and_gradients_equal_the_closed_form_from_full_logits(
-    student: PolicyWorker, teacher: torch.nn.Module, loss: str
+    student: PolicyRank, teacher: torch.nn.Module, loss: str
 ) -> None:
     loss_fn = LOSSES[loss]
     batch = with_teacher(make_batch(student), teacher)
@@ -120,7 +120,7 @@ def test_student_loss_and_gradients_equal_the_closed_form_from_full_logits(
     assert halves["loss"] == pytest.approx(whole["loss"], rel=1e-5)
 
 
-def test_a_student_equal_to_its_teacher_has_zero_loss_with_all_k(student: PolicyWorker) -> None:
+def test_a_student_equal_to_its_teacher_has_zero_loss_with_all_k(student: PolicyRank) -> None:
     batch = make_batch(student)
     vocabulary = student.model.config.vocab_size
     logprobs, ids = model_topk(student.model, batch, PADDED, vocabulary)
@@ -132,7 +132,7 @@ def test_a_student_equal_to_its_teacher_has_zero_loss_with_all_k(student: Policy
         assert metrics["teacher_top1_agreement"] == pytest.approx(1.0)
 
 
-def test_the_loss_refuses_a_batch_without_the_teachers_top_k(student: PolicyWorker) -> None:
+def test_the_loss_refuses_a_batch_without_the_teachers_top_k(student: PolicyRank) -> None:
     batch = make_batch(student)
     norm = Normalizer(1.0, 1.0)
     with pytest.raises(ValueError, match=r"needs batch\.teacher_topk_ids"):

@@ -23,8 +23,8 @@ from rlfleet.environments.runner import (
 )
 from rlfleet.generation import GenerationResult, HFGenerationBackend, SamplingParams
 from rlfleet.policy.batch import collate
+from rlfleet.pools import ProcessWorkerPool
 from rlfleet.rollouts.episodes import EpisodeRunner
-from rlfleet.workers import ProcessWorkerPool
 from tests.functional.rewards_for_tests import first_digit_reward
 
 FIRST_DIGIT = "tests.functional.rewards_for_tests.first_digit_reward"

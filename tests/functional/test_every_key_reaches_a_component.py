@@ -24,12 +24,12 @@ import rlfleet.algorithms.sft.loop as sft_module
 from rlfleet.algorithms.distillation.config import TEACHER_KEYS
 from rlfleet.algorithms.distillation.loop import Distillation
 from rlfleet.algorithms.dpo.loop import DPO
-from rlfleet.algorithms.evaluation import run_eval
 from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.algorithms.rm.loop import RM
 from rlfleet.algorithms.sft.loop import SFT
 from rlfleet.config import MasterConfig, check_config, load_recipe, resolve_recipe_path, schema_keys
 from rlfleet.memory.report import make_plan
+from rlfleet.runtime.eval_command import run_eval
 from tests.conftest import save_tiny_reward_model, small_grpo_config
 from tests.functional.test_distillation import small_distillation_config
 from tests.functional.test_dpo import small_dpo_config

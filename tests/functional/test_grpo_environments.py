@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.algorithms.evaluation import run_eval
 from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.logging import read_metrics
+from rlfleet.runtime.eval_command import run_eval
 from tests.conftest import comparable_metrics, small_grpo_config
 
 SCRIPTED = [

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from rlfleet.pools import ProcessWorkerPool
 from rlfleet.rewards import extract_gold, math_reward
-from rlfleet.workers import ProcessWorkerPool
 
 math_module = importlib.import_module("rlfleet.rewards.math")
 

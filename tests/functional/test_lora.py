@@ -17,15 +17,15 @@ from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.checkpoint import CheckpointError, export_hf
 from rlfleet.cli import main
 from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
-from rlfleet.distributed.worker_group import RayWorkerGroup
+from rlfleet.distributed.rank_group import RayRankGroup
 from rlfleet.generation import HFGenerationBackend
 from rlfleet.generation.interface import SamplingParams
 from rlfleet.generation.weights import engine_state
 from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import LoRALinear, LoraSettings, LoraTargetError, WithoutAdapters
 from rlfleet.policy.parallelize import is_checkpointed
-from rlfleet.policy.sharded_worker import ShardedPolicyWorker, ShardingSettings
-from rlfleet.policy.worker import PolicyWorker
+from rlfleet.policy.rank import PolicyRank
+from rlfleet.policy.sharded_rank import ShardedPolicyRank, ShardingSettings
 from rlfleet.runtime.components import lora_settings
 from tests.conftest import TEST_OPTIMIZER, kill_in_step, pg_loss, small_grpo_config, worker_batch
 
@@ -38,10 +38,10 @@ TIMEOUT_S = 120.0
 
 def _lora_worker(
     model_dir: Path, keep_reference: bool = True, activation_checkpointing: bool = False, **kw: object
-) -> PolicyWorker:
+) -> PolicyRank:
     torch.manual_seed(0)
     settings = LoraSettings(**{"dim": 4, "alpha": 8.0, **kw})  # type: ignore[arg-type]
-    return PolicyWorker(
+    return PolicyRank(
         ModelSource(str(model_dir)),
         TEST_OPTIMIZER,
         keep_reference=keep_reference,
@@ -91,7 +91,7 @@ def test_reference_is_the_policy_without_adapters_not_a_copy(tiny_model_dir: Pat
     worker = _lora_worker(tiny_model_dir)
     assert isinstance(worker.reference, WithoutAdapters) and worker.reference.model is worker.model
     assert worker.has_reference
-    plain = PolicyWorker(ModelSource(str(tiny_model_dir)), TEST_OPTIMIZER, keep_reference=False)
+    plain = PolicyRank(ModelSource(str(tiny_model_dir)), TEST_OPTIMIZER, keep_reference=False)
     batch = worker_batch(plain)
     base = plain.logprobs(batch, micro_batching=4)
     torch.testing.assert_close(worker.logprobs(batch, micro_batching=4), base, rtol=0, atol=0)  # B = 0
@@ -111,14 +111,12 @@ def test_unknown_target_modules_fail_at_build_naming_the_candidates(tiny_model_d
     assert adapted == [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
 
 
-def _generate(
-    model: torch.nn.Module, worker: PolicyWorker, prompts: list[list[int]]
-) -> list[tuple[int, ...]]:
+def _generate(model: torch.nn.Module, worker: PolicyRank, prompts: list[list[int]]) -> list[tuple[int, ...]]:
     backend = HFGenerationBackend(model, worker.tokenizer, batch_size=8)  # type: ignore[arg-type]
     return [r.token_ids for r in backend.generate(prompts, GREEDY, seed=0)]
 
 
-def _prompts(worker: PolicyWorker) -> list[list[int]]:
+def _prompts(worker: PolicyRank) -> list[list[int]]:
     texts = ["What is 3 + 4?", "Tom has 5 apples and eats 2.", "7 - 3 =", "Add 12 and 9."]
     return [worker.tokenizer(t)["input_ids"] for t in texts]
 
@@ -239,7 +237,7 @@ def test_two_rank_fsdp_lora_equals_one_process_and_refits_merged_weights(
         "sharding": sharding,
         "keep_reference": True,
     }
-    group = RayWorkerGroup(ShardedPolicyWorker, groups, init, timeout_s=TIMEOUT_S)
+    group = RayRankGroup(ShardedPolicyRank, groups, init, timeout_s=TIMEOUT_S)
     try:
         metrics = group.run_all("train", batch, loss, global_batch_size=4, micro_batching=1)
         group.run_all("train", batch, loss, global_batch_size=4, micro_batching=1)
@@ -281,7 +279,7 @@ def test_a_lora_checkpoint_is_not_loaded_into_a_full_policy_or_back(
 ) -> None:
     lora = _lora_worker(tiny_model_dir, keep_reference=False)
     lora.save(tmp_path / "lora")
-    full = PolicyWorker(ModelSource(str(tiny_model_dir)), TEST_OPTIMIZER, keep_reference=False)
+    full = PolicyRank(ModelSource(str(tiny_model_dir)), TEST_OPTIMIZER, keep_reference=False)
     full.save(tmp_path / "full")
     with pytest.raises(CheckpointError, match=r"(?s)with LoRA adapters.*without.*enabled=true"):
         full.load(tmp_path / "lora")
@@ -290,10 +288,10 @@ def test_a_lora_checkpoint_is_not_loaded_into_a_full_policy_or_back(
     lora.load(tmp_path / "lora")
 
 
-def _snapshot(worker: PolicyWorker | ShardedPolicyWorker) -> dict[str, torch.Tensor]:
+def _snapshot(worker: PolicyRank | ShardedPolicyRank) -> dict[str, torch.Tensor]:
     """The float32 master weights, whole (FSDP2 keeps the root's parameters gathered, in the compute
     dtype, between a forward pass and the next backward: read them through the state-dict API)."""
-    if isinstance(worker, ShardedPolicyWorker):
+    if isinstance(worker, ShardedPolicyRank):
         return {n: v.clone() for n, v in worker.full_state_dict(on_every_rank=True).items()}
     return {n: p.detach().clone() for n, p in worker.model.state_dict().items()}
 
@@ -306,11 +304,11 @@ def test_bf16_lora_trains_float32_adapters_and_scores_the_reference_without_them
     torch.manual_seed(0)
     if sharded:
         request.getfixturevalue("world_of_one")
-        worker: PolicyWorker | ShardedPolicyWorker = ShardedPolicyWorker(
+        worker: PolicyRank | ShardedPolicyRank = ShardedPolicyRank(
             source, TEST_OPTIMIZER, ShardingSettings(lora=LORA), keep_reference=True
         )
     else:
-        worker = PolicyWorker(source, TEST_OPTIMIZER, keep_reference=True, lora=LORA)
+        worker = PolicyRank(source, TEST_OPTIMIZER, keep_reference=True, lora=LORA)
     batch = worker_batch(worker, noise=0.05)
     # a fresh adapter (B = 0) adds exact zeros: the reference pass equals the policy's, in bf16 compute too
     torch.testing.assert_close(

@@ -20,12 +20,12 @@ from transformers import AutoModelForCausalLM
 from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.checkpoint import export_hf
 from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
-from rlfleet.distributed.worker_group import RayWorkerGroup
+from rlfleet.distributed.rank_group import RayRankGroup
 from rlfleet.logging import read_metrics
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.build import build_policy_models, compute_autocast, require_master_dtype
-from rlfleet.policy.sharded_worker import ShardedPolicyWorker
-from rlfleet.policy.worker import OptimizerSettings, PolicyWorker, TrainablePolicy
+from rlfleet.policy.rank import OptimizerSettings, PolicyRank, TrainablePolicy
+from rlfleet.policy.sharded_rank import ShardedPolicyRank
 from rlfleet.runtime.components import build_worker
 from tests.conftest import TEST_OPTIMIZER as SETTINGS
 from tests.conftest import pg_loss, small_grpo_config, worker_batch
@@ -143,7 +143,7 @@ def test_sharded_bf16_update_moves_fp32_master_weights_as_float64_adamw(
 ) -> None:
     lr = 1e-6
     settings = dataclasses.replace(SETTINGS, lr=lr)
-    worker = ShardedPolicyWorker(ModelSource(str(tiny_model_dir), "bfloat16"), settings)
+    worker = ShardedPolicyRank(ModelSource(str(tiny_model_dir), "bfloat16"), settings)
     assert worker.autocast_dtype is None  # FSDP2 casts to bfloat16 itself
     assert_float64_adamw_update(worker, lr)
 
@@ -162,7 +162,7 @@ def test_reference_computes_exactly_as_the_policy_before_any_update(tiny_model_d
     assert models.reference is not None and not models.reference.training
     assert {(p.dtype, p.requires_grad) for p in models.reference.parameters()} == {(torch.float32, False)}
     assert (models.compute_dtype, models.autocast_dtype) == (torch.bfloat16, torch.bfloat16)
-    worker = PolicyWorker(ModelSource(str(tiny_model_dir), "bfloat16"), SETTINGS, keep_reference=True)
+    worker = PolicyRank(ModelSource(str(tiny_model_dir), "bfloat16"), SETTINGS, keep_reference=True)
     batch = worker_batch(worker)
     policy, reference = worker.logprobs(batch, 4), worker.logprobs(batch, 4, reference=True)
     assert policy.abs().sum() > 0
@@ -191,7 +191,7 @@ def test_bf16_grpo_runs_on_cpu_with_fp32_master_weights(tiny_model_dir: Path, tm
     )
     trainer = GRPO(small_grpo_config(tiny_model_dir, tmp_path, *overrides, BF16))
     worker = trainer.ctx.policy
-    assert isinstance(worker, PolicyWorker) and worker.has_reference
+    assert isinstance(worker, PolicyRank) and worker.has_reference
     assert trainer.backend.compute_dtype == torch.bfloat16  # generation on the master copy autocasts too
     before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
     trainer.train()
@@ -216,13 +216,13 @@ def test_bf16_grpo_runs_on_cpu_with_fp32_master_weights(tiny_model_dir: Path, tm
 
 def test_two_rank_fsdp_bf16_step_matches_one_process(ray_cluster: None, tiny_model_dir: Path) -> None:
     source = ModelSource(str(tiny_model_dir), "bfloat16")
-    single = PolicyWorker(source, SETTINGS, keep_reference=False)
+    single = PolicyRank(source, SETTINGS, keep_reference=False)
     batch = worker_batch(single)
     before = {n: dense(p) for n, p in single.model.named_parameters()}
     expected = single.train(batch, LOSS, global_batch_size=4, micro_batching=1)
     groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
     init = {"source": source, "settings": SETTINGS}
-    group = RayWorkerGroup(ShardedPolicyWorker, groups, init, timeout_s=120.0)
+    group = RayRankGroup(ShardedPolicyRank, groups, init, timeout_s=120.0)
     try:
         lps = group.run_all("logprobs", batch, 2)
         metrics = group.run_all("train", batch, LOSS, global_batch_size=4, micro_batching=1)

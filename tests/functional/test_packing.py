@@ -17,7 +17,7 @@ from rlfleet.policy.logprobs import batch_logprobs, forward_logprobs
 from rlfleet.policy.loss_functions import NLLLossFn
 from rlfleet.policy.loss_math import Normalizer
 from rlfleet.policy.microbatch import MicroBatching, plan_micro_batches, row_lengths
-from rlfleet.policy.worker import LossFn, PolicyWorker
+from rlfleet.policy.rank import LossFn, PolicyRank
 from tests.conftest import TEST_OPTIMIZER, pg_loss
 
 PADDED = MicroBatching(rows=8)  # one micro-batch of every row: the padded computation
@@ -31,11 +31,11 @@ PROMPT_LENGTHS = (5, 3, 9, 4, 2, 7, 6, 3)
 RESPONSE_LENGTHS = (4, 12, 2, 5, 8, 1, 9, 3)
 
 
-def make_worker(model_dir: Path) -> PolicyWorker:
-    return PolicyWorker(ModelSource(str(model_dir)), TEST_OPTIMIZER, keep_reference=False)
+def make_worker(model_dir: Path) -> PolicyRank:
+    return PolicyRank(ModelSource(str(model_dir)), TEST_OPTIMIZER, keep_reference=False)
 
 
-def make_batch(worker: PolicyWorker) -> TrainBatch:
+def make_batch(worker: PolicyRank) -> TrainBatch:
     """Eight rows of mixed lengths with advantages, perturbed old and reference logprobs."""
     gen = torch.Generator().manual_seed(0)
     vocab = worker.tokenizer.vocab_size
@@ -50,7 +50,7 @@ def make_batch(worker: PolicyWorker) -> TrainBatch:
 
 
 def gradients(
-    worker: PolicyWorker, batch: TrainBatch, loss_fn: LossFn, batching: MicroBatching, num_shards: int = 1
+    worker: PolicyRank, batch: TrainBatch, loss_fn: LossFn, batching: MicroBatching, num_shards: int = 1
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Gradients and metrics of one accumulation over ``batch``, split over ``num_shards`` simulated ranks
     that each normalise by the global counts and whose gradients and metrics are then summed (the
@@ -78,14 +78,14 @@ def assert_same(
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_model_dir: Path) -> PolicyWorker:
+def worker(tiny_model_dir: Path) -> PolicyRank:
     return make_worker(tiny_model_dir)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])  # packing turns sdpa into sdpa_packed
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_logprobs_equal_the_padded_ones_in_batch_order(
-    worker: PolicyWorker, layout: str, attention: str
+    worker: PolicyRank, layout: str, attention: str
 ) -> None:
     worker.model.set_attn_implementation(attention)
     try:
@@ -114,7 +114,7 @@ LOSSES = {
 
 
 @pytest.mark.parametrize("loss", sorted(LOSSES))
-def test_loss_and_gradients_equal_the_padded_ones(worker: PolicyWorker, loss: str) -> None:
+def test_loss_and_gradients_equal_the_padded_ones(worker: PolicyRank, loss: str) -> None:
     """Over two simulated ranks (each its half of the rows, its own micro-batch plan, the global counts)
     against one process computing every row in one padded micro-batch."""
     loss_fn, prev_from_forward = LOSSES[loss]
@@ -179,8 +179,8 @@ def test_two_rank_packed_step_equals_one_padded_process(
     one packed step equals one padded step in one process. Tensor parallelism 2: both ranks pack the same
     rows, attention heads split between them."""
     from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
-    from rlfleet.distributed.worker_group import RayWorkerGroup
-    from rlfleet.policy.sharded_worker import ShardedPolicyWorker, ShardingSettings
+    from rlfleet.distributed.rank_group import RayRankGroup
+    from rlfleet.policy.sharded_rank import ShardedPolicyRank, ShardingSettings
 
     model_dir = request.getfixturevalue(
         "tiny_tp_model_dir" if tensor_parallel_size == 2 else "tiny_model_dir"
@@ -199,7 +199,7 @@ def test_two_rank_packed_step_equals_one_padded_process(
         "settings": TEST_OPTIMIZER,
         "sharding": ShardingSettings(tensor_parallel_size=tensor_parallel_size),
     }
-    group = RayWorkerGroup(ShardedPolicyWorker, groups, init, timeout_s=120.0)
+    group = RayRankGroup(ShardedPolicyRank, groups, init, timeout_s=120.0)
     try:
         lps = group.run_all("logprobs", batch, packed)
         metrics = group.run_all("train", batch, loss_fn, global_batch_size=8, micro_batching=packed)
@@ -268,7 +268,7 @@ def test_grpo_step_with_packing_or_dynamic_batching_equals_the_padded_one(
     assert 0 < results["dynamic"][0]["train/padding_fraction"] < 1
 
 
-def test_packing_refuses_an_attention_that_ignores_position_ids(worker: PolicyWorker) -> None:
+def test_packing_refuses_an_attention_that_ignores_position_ids(worker: PolicyRank) -> None:
     batch = make_batch(worker)
     worker.model.config._attn_implementation = "my_kernel"  # a registered custom attention, say
     try:

@@ -13,8 +13,8 @@ import pytest
 import ray
 import ray.exceptions
 
+from rlfleet.pools.ray_pool import RayWorkerPool
 from rlfleet.rewards import math_reward
-from rlfleet.workers.ray_pool import RayWorkerPool
 
 pytestmark = [pytest.mark.timeout(60)]  # a pool that hangs fails instead
 
@@ -135,7 +135,7 @@ def test_a_stuck_response_times_out_alone_and_the_pool_recovers(ray_cluster: Non
 def test_slow_and_failing_responses_count_without_restarts(
     ray_cluster: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="rlfleet.workers.pool")
+    caplog.set_level(logging.ERROR, logger="rlfleet.pools.process_pool")
     items = [
         ("sleep", "#### 1", "1"),
         *GSM8K_ITEMS[:3],

@@ -29,8 +29,8 @@ import ray
 
 from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.deploy import jobs
+from rlfleet.distributed.rank_group import RankDiedError, RankTimeoutError
 from rlfleet.distributed.ray_generation import GenerationWorkerLostError
-from rlfleet.distributed.worker_group import WorkerDiedError, WorkerTimeoutError
 from rlfleet.logging import read_metrics
 from tests.conftest import (
     RayHead,
@@ -272,7 +272,7 @@ def test_generation_engines_that_keep_dying_end_the_run_once_the_retries_are_spe
     text = str(err.value)
     assert "generation failed after 1 restart(s)" in text
     assert "cluster.generation_retries=1" in text and "cluster.call_timeout_s" in text
-    assert isinstance(err.value.__cause__, WorkerDiedError)
+    assert isinstance(err.value.__cause__, RankDiedError)
     assert run.backend.restarts == 1 and len(killed) == 2  # the first engine, then its one replacement
     # step 1 waits for step 2's batch before it ends: it fails, and is neither logged nor checkpointed
     assert trained_steps(tmp_path / "logs") == [] and not (tmp_path / "ckpt" / "step_1").exists()
@@ -295,7 +295,7 @@ def test_generation_call_that_hangs_ends_the_run_after_the_call_timeout(
         text = str(err.value)
         assert "did not answer within 15s" in text and "raise cluster.call_timeout_s" in text
         assert "cluster.generation_retries=0" in text
-        assert isinstance(err.value.__cause__, WorkerTimeoutError)
+        assert isinstance(err.value.__cause__, RankTimeoutError)
         assert trained_steps(tmp_path / "logs") == [] and not (tmp_path / "ckpt" / "step_1").exists()
         assert_all_released(total)
         deadline = time.monotonic() + 30  # the stopped engine was killed, not left behind

@@ -16,10 +16,10 @@ from rlfleet.distributed.cluster import (
     create_node_placement_groups,
     remove_placement_groups,
 )
-from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError
+from rlfleet.distributed.rank_group import RankDiedError, RayRankGroup
 from rlfleet.models.loading import ModelSource
-from rlfleet.policy.sharded_worker import ShardedPolicyWorker
-from rlfleet.policy.worker import PolicyWorker
+from rlfleet.policy.rank import PolicyRank
+from rlfleet.policy.sharded_rank import ShardedPolicyRank
 from tests.conftest import TEST_OPTIMIZER, pg_loss, worker_batch
 
 TIMEOUT_S = 120.0
@@ -52,7 +52,7 @@ def test_impossible_layout_fails_fast_with_request_and_resources(ray_cluster: No
 
 def test_two_ranks_form_a_gloo_process_group(ray_cluster: None) -> None:
     groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
-    group = RayWorkerGroup(RankProbe, groups, {}, timeout_s=TIMEOUT_S)
+    group = RayRankGroup(RankProbe, groups, {}, timeout_s=TIMEOUT_S)
     try:
         assert group.run_all("all_reduce_rank") == [1.0, 1.0]
         assert group.run_all("backend") == ["gloo", "gloo"]
@@ -60,7 +60,7 @@ def test_two_ranks_form_a_gloo_process_group(ray_cluster: None) -> None:
         # ray.kill is asynchronous: a call may still reach the actor before it dies. Within a bounded
         # time every call must fail with the rank named.
         deadline = time.monotonic() + 30
-        with pytest.raises(WorkerDiedError, match="rank 1 died"):
+        with pytest.raises(RankDiedError, match="rank 1 died"):
             while time.monotonic() < deadline:
                 group.run_all("backend")
                 time.sleep(0.2)
@@ -75,14 +75,14 @@ LOSS = pg_loss(kl_penalty=0.05)
 
 def test_two_rank_fsdp_step_equals_single_process_step(ray_cluster: None, tiny_model_dir: Path) -> None:
     path = str(tiny_model_dir)
-    single = PolicyWorker(ModelSource(path), SETTINGS, keep_reference=False)
+    single = PolicyRank(ModelSource(path), SETTINGS, keep_reference=False)
     batch = worker_batch(single, noise=0.05)
     expected_lp = single.logprobs(batch, micro_batching=2)
     initial = {name: value.clone() for name, value in single.model.state_dict().items()}
     expected = single.train(batch, LOSS, global_batch_size=4, micro_batching=1)
     groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
     init = {"source": ModelSource(str(tiny_model_dir)), "settings": SETTINGS}
-    group = RayWorkerGroup(ShardedPolicyWorker, groups, init, timeout_s=TIMEOUT_S)
+    group = RayRankGroup(ShardedPolicyRank, groups, init, timeout_s=TIMEOUT_S)
     try:
         lps = group.run_all("logprobs", batch, 2)
         metrics = group.run_all("train", batch, LOSS, global_batch_size=4, micro_batching=1)
@@ -105,10 +105,10 @@ def test_two_rank_fsdp_step_equals_single_process_step(ray_cluster: None, tiny_m
 
 def test_sharded_checkpoint_round_trip(ray_cluster: None, tiny_model_dir: Path, tmp_path: Path) -> None:
     path = str(tiny_model_dir)
-    batch = worker_batch(PolicyWorker(ModelSource(path), SETTINGS, keep_reference=False), noise=0.05)
+    batch = worker_batch(PolicyRank(ModelSource(path), SETTINGS, keep_reference=False), noise=0.05)
     groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
     init = {"source": ModelSource(path), "settings": SETTINGS}
-    group = RayWorkerGroup(ShardedPolicyWorker, groups, init, TIMEOUT_S)
+    group = RayRankGroup(ShardedPolicyRank, groups, init, TIMEOUT_S)
     try:
         group.run_all("train", batch, LOSS, global_batch_size=4, micro_batching=2)
         saved = group.run_all("full_state_dict")[0]

@@ -17,7 +17,7 @@ import rlfleet.runtime.loop as run_module
 from rlfleet.algorithms.sft.loop import SFT
 from rlfleet.data.errors import DataError
 from rlfleet.models.loading import ModelSource
-from rlfleet.policy.worker import PolicyWorker
+from rlfleet.policy.rank import PolicyRank
 from tests.conftest import TEST_OPTIMIZER, pg_loss, small_grpo_config, worker_batch
 
 
@@ -102,7 +102,7 @@ def test_closing_frees_adamw_and_releasing_frees_the_weights_even_when_the_worke
     GRPO stage. Closing a worker frees its AdamW state (the weights stay readable after a run); releasing it
     (``sft_train(..., release=True)``, as the demo runs its SFT stage) frees the weights too, though the
     worker object lives on."""
-    worker = PolicyWorker(ModelSource(str(tiny_model_dir), "float32"), TEST_OPTIMIZER, keep_reference=True)
+    worker = PolicyRank(ModelSource(str(tiny_model_dir), "float32"), TEST_OPTIMIZER, keep_reference=True)
     batch = worker_batch(worker)
     worker.train(batch, pg_loss(), global_batch_size=len(batch), micro_batching=len(batch))
     weight = next(worker.model.parameters())

@@ -25,7 +25,7 @@ from rlfleet.policy.microbatch import (
     plan_micro_batches,
     plan_trained_micro_batches,
 )
-from rlfleet.policy.worker import PolicyWorker
+from rlfleet.policy.rank import PolicyRank
 from tests.conftest import pg_loss
 from tests.functional.test_packing import LAYOUTS, PADDED, make_batch, make_worker
 
@@ -43,7 +43,7 @@ def marked(batch: TrainBatch) -> TrainBatch:
     return batch.with_(inert=inert_rows(batch, kl_penalty=0.0))
 
 
-def weights(worker: PolicyWorker) -> dict[str, torch.Tensor]:
+def weights(worker: PolicyRank) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in worker.model.named_parameters()}
 
 
@@ -192,12 +192,12 @@ def test_a_grpo_step_skipping_flat_groups_equals_the_full_step(tiny_model_dir: P
 def train_on_two_ray_ranks(
     model_dir: Path, tensor_parallel_size: int, batch: TrainBatch, loss_fn: Any, batching: MicroBatching | int
 ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-    """One ``train`` call of a batch of 8 (one optimizer step) on two ``ShardedPolicyWorker`` Ray ranks:
+    """One ``train`` call of a batch of 8 (one optimizer step) on two ``ShardedPolicyRank`` Ray ranks:
     rank 0's metrics and the full state afterwards."""
     from rlfleet.distributed.cluster import create_node_placement_groups, remove_placement_groups
-    from rlfleet.distributed.worker_group import RayWorkerGroup
+    from rlfleet.distributed.rank_group import RayRankGroup
     from rlfleet.models.loading import ModelSource
-    from rlfleet.policy.sharded_worker import ShardedPolicyWorker, ShardingSettings
+    from rlfleet.policy.sharded_rank import ShardedPolicyRank, ShardingSettings
     from tests.conftest import TEST_OPTIMIZER
 
     groups = create_node_placement_groups(num_nodes=1, bundles_per_node=2, use_gpus=False, timeout_s=30.0)
@@ -206,7 +206,7 @@ def train_on_two_ray_ranks(
         "settings": TEST_OPTIMIZER,
         "sharding": ShardingSettings(tensor_parallel_size=tensor_parallel_size),
     }
-    group = RayWorkerGroup(ShardedPolicyWorker, groups, init, timeout_s=120.0)
+    group = RayRankGroup(ShardedPolicyRank, groups, init, timeout_s=120.0)
     try:
         metrics = group.run_all("train", batch, loss_fn, global_batch_size=8, micro_batching=batching)
         state = group.run_all("full_state_dict")[0]
@@ -217,7 +217,7 @@ def train_on_two_ray_ranks(
 
 
 def assert_same_step(
-    got: dict[str, float], state: dict[str, torch.Tensor], want: dict[str, float], single: PolicyWorker
+    got: dict[str, float], state: dict[str, torch.Tensor], want: dict[str, float], single: PolicyRank
 ) -> None:
     for key in ("loss", "grad_norm"):
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key

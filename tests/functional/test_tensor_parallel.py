@@ -20,7 +20,7 @@ from rlfleet.distributed.cluster import (
     create_node_placement_groups,
     remove_placement_groups,
 )
-from rlfleet.distributed.worker_group import RayWorkerGroup
+from rlfleet.distributed.rank_group import RayRankGroup
 from rlfleet.models.loading import load_model
 from rlfleet.policy.parallelize import (
     build_mesh,
@@ -193,7 +193,7 @@ def _run_group(
         num_nodes=1, bundles_per_node=world_size, use_gpus=False, timeout_s=30.0
     )
     init = {"model_path": str(model_dir), "tensor_parallel_size": tensor_parallel_size}
-    group = RayWorkerGroup(ParallelProbe, groups, init, timeout_s=TIMEOUT_S)
+    group = RayRankGroup(ParallelProbe, groups, init, timeout_s=TIMEOUT_S)
     try:
         results = [group.run_all(method, *args) for method, args in calls]
     finally:

@@ -22,7 +22,7 @@ import torch
 from tensorboard.backend.event_processing import event_accumulator, event_file_loader
 from transformers import AutoModelForCausalLM
 
-import rlfleet.algorithms.evaluation as evaluation
+import rlfleet.runtime.eval_command as evaluation
 from rlfleet.algorithms.sft.loop import SFT
 from rlfleet.checkpoint import CheckpointManager, load_model_state_dict, verify_checkpoint
 from rlfleet.cli import main

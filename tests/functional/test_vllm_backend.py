@@ -26,7 +26,7 @@ from rlfleet.generation.vllm import VLLMGenerationBackend, VLLMSettings
 from rlfleet.generation.weights import buckets, engine_state
 from rlfleet.logging import read_metrics
 from rlfleet.policy.batch import collate
-from rlfleet.policy.worker import PolicyWorker
+from rlfleet.policy.rank import PolicyRank
 from rlfleet.runtime.components import build_worker
 from tests.conftest import small_grpo_config
 
@@ -37,7 +37,7 @@ SAMPLED = SamplingParams(max_new_tokens=12, temperature=0.7)
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> PolicyWorker:
+def worker(tiny_vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> PolicyRank:
     cfg = small_grpo_config(tiny_vllm_model_dir, tmp_path_factory.mktemp("vllm_run"))
     return build_worker(cfg, seed=0, keep_reference=False)
 
@@ -49,7 +49,7 @@ class Engine:
 
 
 @pytest.fixture(scope="module")
-def started(worker: PolicyWorker) -> Iterator[Engine]:
+def started(worker: PolicyRank) -> Iterator[Engine]:
     """The module's engine is the one a Ray generation worker hosts: no trainer model beside it, dummy
     weights until ``load_buckets`` brings the trainer's (here in several files, as a broadcast does). Every
     comparison below with the HF backend also checks that load. Tests that change the trainer's weights load
@@ -70,18 +70,18 @@ def engine(started: Engine) -> VLLMGenerationBackend:
     return started.backend
 
 
-def load_trainer_weights(engine: VLLMGenerationBackend, worker: PolicyWorker) -> None:
+def load_trainer_weights(engine: VLLMGenerationBackend, worker: PolicyRank) -> None:
     engine.load_buckets(buckets(engine_state(worker.model), torch.float32))
 
 
 @pytest.fixture(scope="module")
-def prompts(worker: PolicyWorker) -> list[list[int]]:
+def prompts(worker: PolicyRank) -> list[list[int]]:
     texts = ["What is 3 + 4?", "Tom has 5 apples and eats 2.", "7 - 3 =", "Add 12 and 9."]
     return [worker.tokenizer(t)["input_ids"] for t in texts]
 
 
 def test_greedy_responses_equal_the_hf_backend(
-    engine: VLLMGenerationBackend, worker: PolicyWorker, prompts: list[list[int]]
+    engine: VLLMGenerationBackend, worker: PolicyRank, prompts: list[list[int]]
 ) -> None:
     hf = HFGenerationBackend(worker.model, worker.tokenizer, batch_size=8)
     want = hf.generate(prompts, GREEDY, seed=1)
@@ -92,7 +92,7 @@ def test_greedy_responses_equal_the_hf_backend(
 
 
 def _logprob_error(
-    worker: PolicyWorker, prompts: list[list[int]], results: list[GenerationResult], temperature: float
+    worker: PolicyRank, prompts: list[list[int]], results: list[GenerationResult], temperature: float
 ) -> float:
     """Largest |engine logprob - trainer logprob| over the sampled response tokens."""
     responses = [r.token_ids for r in results]
@@ -102,7 +102,7 @@ def _logprob_error(
 
 
 def test_sampled_logprobs_are_after_temperature(
-    engine: VLLMGenerationBackend, worker: PolicyWorker, prompts: list[list[int]]
+    engine: VLLMGenerationBackend, worker: PolicyRank, prompts: list[list[int]]
 ) -> None:
     results = engine.generate(prompts, SAMPLED, seed=3)
     assert all(len(r.logprobs) == len(r.token_ids) > 0 for r in results)
@@ -132,7 +132,7 @@ def test_seeded_rows_beyond_one_step_token_budget(engine: VLLMGenerationBackend)
 
 
 def test_refit_loads_the_trainers_new_weights(
-    engine: VLLMGenerationBackend, worker: PolicyWorker, prompts: list[list[int]]
+    engine: VLLMGenerationBackend, worker: PolicyRank, prompts: list[list[int]]
 ) -> None:
     saved = {name: p.detach().clone() for name, p in worker.model.named_parameters()}
     temperature = SAMPLED.temperature
@@ -154,7 +154,7 @@ def test_refit_loads_the_trainers_new_weights(
 
 
 def test_a_lora_policys_adapters_reach_the_engine_merged(
-    engine: VLLMGenerationBackend, worker: PolicyWorker, prompts: list[list[int]], tiny_vllm_model_dir: Path
+    engine: VLLMGenerationBackend, worker: PolicyRank, prompts: list[list[int]], tiny_vllm_model_dir: Path
 ) -> None:
     """What a LoRA policy's refit sends (``engine_state``: each adapted weight ``W + s B A``, base names)
     makes the engine generate what the adapted model does in the trainer, not what the base model does."""
@@ -173,7 +173,7 @@ def test_a_lora_policys_adapters_reach_the_engine_merged(
 
 
 def test_the_endpoint_serves_agents_from_the_vllm_engine(
-    engine: VLLMGenerationBackend, worker: PolicyWorker
+    engine: VLLMGenerationBackend, worker: PolicyRank
 ) -> None:
     """Agent episodes sampled by the vLLM engine through the OpenAI-compatible endpoint: the training tokens
     are the ids the client was sent, and the trainer scores them as the engine did."""

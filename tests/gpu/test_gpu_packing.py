@@ -12,7 +12,7 @@ import torch
 
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.microbatch import MicroBatching
-from rlfleet.policy.worker import PolicyWorker
+from rlfleet.policy.rank import PolicyRank
 from tests.conftest import TEST_OPTIMIZER, pg_loss
 from tests.functional.test_packing import LAYOUTS, PADDED, gradients, make_batch
 
@@ -21,9 +21,9 @@ pytestmark = pytest.mark.gpu
 ATTENTION = ["sdpa"] + (["flash_attention_2"] if importlib.util.find_spec("flash_attn") else [])
 
 
-def cuda_worker(model_dir: Path, precision: str) -> PolicyWorker:
+def cuda_worker(model_dir: Path, precision: str) -> PolicyRank:
     cuda = torch.device("cuda", torch.cuda.current_device())
-    return PolicyWorker(
+    return PolicyRank(
         ModelSource(str(model_dir), precision), TEST_OPTIMIZER, keep_reference=False, device=cuda
     )
 

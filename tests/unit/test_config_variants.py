@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlfleet.algorithms.grpo.describe import describe_algorithm
+from rlfleet.algorithms.grpo.describe import describe_grpo
 from rlfleet.cli import main
 from rlfleet.config import ConfigError, apply_overrides, check_config, validate_config
 from rlfleet.config.resolved import truncation_type
@@ -144,7 +144,7 @@ def test_truncation_type_resolves_a_cap_alone_to_tis(overrides: list[str], expec
 
 def test_summary_names_each_variant() -> None:
     def summary(*overrides: str) -> str:
-        return str(describe_algorithm(validate_config(apply_overrides(good_raw(), list(overrides)))))
+        return str(describe_grpo(validate_config(apply_overrides(good_raw(), list(overrides)))))
 
     assert "token ratio clipped to [0.8, 1.2]" in summary() and "IS correction', 'off'" in summary()
     gspo = summary("loss_fn.sequence_level_importance_ratios=true", "loss_fn.ratio_clip_min=3e-4")

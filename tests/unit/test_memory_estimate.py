@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlfleet.algorithms.grpo.describe import describe_algorithm
+from rlfleet.algorithms.grpo.describe import describe_grpo
 from rlfleet.cli import main
 from rlfleet.config import load_recipe, resolve_recipe_path
 from rlfleet.config.algorithm import Algorithm
@@ -47,7 +47,7 @@ from rlfleet.models.loading import ModelSource
 from rlfleet.models.tiny import TinyModelSpec, create_tiny_model
 from rlfleet.policy.batch import collate
 from rlfleet.policy.microbatch import MicroBatching
-from rlfleet.policy.worker import PolicyWorker
+from rlfleet.policy.rank import PolicyRank
 from rlfleet.runtime.components import micro_batching
 from tests.conftest import TEST_OPTIMIZER, pg_loss
 
@@ -172,7 +172,7 @@ def test_estimate_holds_the_measured_peak_of_live_tensors(
     """The estimate's tensor part (what a pass allocates above the weights and AdamW moments) is within
     15% of the peak of live tensors the pass created, for both passes (measured: logprob passes within
     2%, training passes 0.86-1.11x)."""
-    worker = PolicyWorker(
+    worker = PolicyRank(
         ModelSource(str(model_dir), precision), TEST_OPTIMIZER, keep_reference=False,
         activation_checkpointing=checkpointing,
     )  # fmt: skip
@@ -313,7 +313,7 @@ def test_an_unset_budget_is_the_largest_that_fits(monkeypatch: pytest.MonkeyPatc
         "train": (train, "the largest that fits this machine's memory with headroom"),
         "logprob": (10240, "a rank's whole share of the batch, which fits this machine's memory"),
     }  # 16 rows x 640: all of them fit
-    described = dict(describe_algorithm(cfg, batching))["micro-batches"]
+    described = dict(describe_grpo(cfg, batching))["micro-batches"]
     assert f"up to {train:,} tokens per training pass and 10,240 per logprob pass" in described
     assert "(train_mb_tokens: the largest that fits" in described
     assert "logprob_mb_tokens: a rank's whole share of the batch" in described

@@ -27,7 +27,7 @@ from rlfleet.environments.judge import JudgeEnvironment, parse_score, render_rub
 from rlfleet.environments.reward_model import RewardModelEnvironment, keep_last
 from rlfleet.environments.runner import preflight_environment
 from rlfleet.models.tiny import TinyModelSpec, create_tiny_model, train_tokenizer
-from rlfleet.rollouts.environments import environment_settings, load_environments
+from rlfleet.rollouts.environment_setup import environment_settings, load_environments
 from tests.conftest import save_tiny_reward_model
 
 CORPUS = ["user assistant system question answer the sum of 12 and 30 is 42 Score: 7 good bad slow broken"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlfleet.config import MasterConfig
-from rlfleet.policy.worker import adamw_implementation
+from rlfleet.policy.rank import adamw_implementation
 from rlfleet.runtime.components import optimizer_settings
 from tests.conftest import TEST_OPTIMIZER
 

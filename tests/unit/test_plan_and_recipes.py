@@ -21,7 +21,7 @@ from rlfleet.config.embedded import GENERATED_MODELS
 from rlfleet.config.layout import resource_layout
 from rlfleet.memory.planner import count_parameters
 from rlfleet.memory.report import make_plan
-from rlfleet.rollouts.evaluate import pass_at_k
+from rlfleet.rollouts.validation import pass_at_k
 from tests.conftest import SEED_COMMAND_LINE
 
 SEED = "grpo-gemma3-27b-it-2n8g-fsdp2tp8-noncolocated"

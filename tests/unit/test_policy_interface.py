@@ -10,7 +10,7 @@ import pytest
 
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.interface import Policy
-from rlfleet.policy.worker import PolicyWorker
+from rlfleet.policy.rank import PolicyRank
 from tests.conftest import TEST_OPTIMIZER as SETTINGS
 
 
@@ -18,10 +18,10 @@ def _policies(model_dir: Path) -> dict[str, object]:
     """One of each, built without a download or a Ray cluster."""
     from rlfleet.distributed.ray_policy import RayPolicy  # the ray extra (installed in dev)
 
-    worker = PolicyWorker(ModelSource(str(model_dir)), SETTINGS, keep_reference=False)
+    worker = PolicyRank(ModelSource(str(model_dir)), SETTINGS, keep_reference=False)
     # a runtime is never called here
     on_ray = RayPolicy(SimpleNamespace(), worker.tokenizer, keep_reference=True)
-    return {"PolicyWorker": worker, "RayPolicy": on_ray}
+    return {"PolicyRank": worker, "RayPolicy": on_ray}
 
 
 POLICY_METHODS = [
@@ -39,7 +39,7 @@ def test_the_interface_lists_what_the_loops_call() -> None:
     assert set(POLICY_ATTRIBUTES) == {"tokenizer", "has_reference"}
 
 
-@pytest.mark.parametrize("kind", ["PolicyWorker", "RayPolicy"])
+@pytest.mark.parametrize("kind", ["PolicyRank", "RayPolicy"])
 def test_both_policies_implement_the_interface(kind: str, tiny_model_dir: Path) -> None:
     policy = _policies(tiny_model_dir)[kind]
     assert isinstance(policy, Policy)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.answers import MAX_GOLD_CHARS
+from rlfleet.pools import ProcessWorkerPool, RewardBatch
 from rlfleet.rewards import (
     InvalidGoldError,
     extract_answer,
@@ -26,7 +27,6 @@ from rlfleet.rewards import (
     math_reward,
 )
 from rlfleet.rewards.verify import time_budget
-from rlfleet.workers import ProcessWorkerPool, RewardBatch
 
 TIMEOUT_S = 1.0
 
@@ -394,7 +394,7 @@ def test_stuck_worker_is_killed_and_replaced():
 
 
 def test_reward_errors_are_counted_and_logged_once_per_type(caplog):
-    caplog.set_level(logging.ERROR, logger="rlfleet.workers.pool")
+    caplog.set_level(logging.ERROR, logger="rlfleet.pools.process_pool")
     items = [("q", "raise", "g"), ("q", "fine", "g"), ("q", "not a number", "g"), ("q", "raise", "g")]
     with ProcessWorkerPool(raising_reward, num_workers=1, timeout_s=TIMEOUT_S) as pool:
         batch = pool.score(items)
@@ -407,7 +407,7 @@ def test_reward_errors_are_counted_and_logged_once_per_type(caplog):
 
 
 def test_invalid_gold_is_an_error_in_the_pool(caplog):
-    caplog.set_level(logging.ERROR, logger="rlfleet.workers.pool")
+    caplog.set_level(logging.ERROR, logger="rlfleet.pools.process_pool")
     rationale = "She sold 24 clips in May.\nShe sold 72 clips in all."
     items = [("q", "#### 72", rationale), ("q", "#### 72", WORKED), ("q", "#### 7", ""), ("q", "#### 7", "7")]
     with ProcessWorkerPool("rlfleet.rewards.math_reward", num_workers=1, timeout_s=5.0) as pool:

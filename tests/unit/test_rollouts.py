@@ -17,8 +17,8 @@ from rlfleet.environments.runner import InProcessRunner
 from rlfleet.generation import GenerationResult, SamplingParams
 from rlfleet.rewards.correctness import is_correct
 from rlfleet.rollouts.episodes import EpisodeRunner
-from rlfleet.rollouts.evaluate import evaluate, pass_at_k
 from rlfleet.rollouts.rollout import Rollout, accuracy, correct_per_group, mean_reward
+from rlfleet.rollouts.validation import evaluate, pass_at_k
 
 PARAMS = SamplingParams(max_new_tokens=4)
 

@@ -17,13 +17,12 @@ from typing import Any
 import pytest
 
 import rlfleet.algorithms.distillation.teacher_setup as teacher_setup_module
-import rlfleet.algorithms.evaluation as evaluation_module
-import rlfleet.rollouts.environments as environments_module
+import rlfleet.rollouts.environment_setup as environments_module
+import rlfleet.runtime.eval_command as evaluation_module
 import rlfleet.runtime.loop as loop_module
-import rlfleet.runtime.serve as serve_module
+import rlfleet.runtime.serve_command as serve_module
 from rlfleet.algorithms.distillation.loop import Distillation
 from rlfleet.algorithms.dpo.loop import DPO
-from rlfleet.algorithms.evaluation import run_eval
 from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.algorithms.rm.loop import RM
 from rlfleet.algorithms.sft.loop import SFT
@@ -32,6 +31,7 @@ from rlfleet.config.algorithm import Algorithm, algorithm_names, algorithm_setti
 from rlfleet.config.layout import resource_layout
 from rlfleet.memory.planner import memory_problems, resolve_batching
 from rlfleet.memory.report import format_plan, make_plan
+from rlfleet.runtime.eval_command import run_eval
 from rlfleet.serving.server import ServerSettings
 from tests.unit.test_memory_estimate import _machine  # a CPU machine of a fixed size
 

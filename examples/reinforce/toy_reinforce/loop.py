@@ -11,7 +11,7 @@ from rlfleet.config.schema import MasterConfig
 from rlfleet.generation import SamplingParams
 from rlfleet.policy.batch import collate
 from rlfleet.rollouts.collect import GroupCollector
-from rlfleet.rollouts.evaluate import evaluate
+from rlfleet.rollouts.validation import evaluate
 from rlfleet.runtime.components import micro_batching
 from rlfleet.runtime.loop import step_seed
 

@@ -23,7 +23,7 @@ from rlfleet.config.algorithm import algorithm_spec
 from rlfleet.config.layout import resource_layout
 from rlfleet.generation import GenerationBackend
 from rlfleet.memory.planner import ensure_fits, resolve_batching
-from rlfleet.policy.worker import PolicyWorker
+from rlfleet.policy.rank import PolicyRank
 from rlfleet.runtime.components import TaskData
 from rlfleet.runtime.loop import RunContext, closing_run, finished_run, run_loop, start_run
 
@@ -131,6 +131,6 @@ class Trainer:
             return done
         trainer = cls(cfg, **kwargs)
         metrics = trainer.train()
-        if release and isinstance(trainer.ctx.policy, PolicyWorker):
+        if release and isinstance(trainer.ctx.policy, PolicyRank):
             trainer.ctx.policy.release()
         return metrics

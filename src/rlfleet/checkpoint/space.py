@@ -4,10 +4,7 @@ A checkpoint holds the float32 master weights (a tied embedding once), the optim
 float32 moments per trained parameter), the tokenizer, and a few small files (scheduler, RNG, dataloader,
 recipe, manifest). A run keeps ``checkpointing.keep_top_k`` of them and writes the next one before pruning,
 so at its peak ``keep_top_k + 1`` are on disk at once (every one it saves, with ``keep_top_k: null``).
-
-Measured: a Gemma 3 270M checkpoint is 3.03 GiB on disk (3.06 estimated: 268,098,176 float32 weights and two
-AdamW moments, its 32 MiB tokenizer); it was 3.65 GiB while the tied embedding was written twice, and one run
-of ``make train-gemma3`` (three checkpoints kept, the SFT model exported) left 12 GiB.
+The estimate against checkpoints on disk: ``tests/unit/test_checkpoint_space.py``.
 """
 
 from __future__ import annotations

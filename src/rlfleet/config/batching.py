@@ -106,7 +106,7 @@ class ResolvedBatching:
 
 
 def recipe_batching(policy: PolicyConfig, passes: tuple[Pass, ...] = PASSES) -> ResolvedBatching:
-    """The batching as the recipe states it, no machine consulted (what ``describe_algorithm`` shows when it
+    """The batching as the recipe states it, no machine consulted (what ``describe_grpo`` shows when it
     is given no resolved batching)."""
     section = token_budget_section(policy)
     if section is None:

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from rlfleet.config import load_recipe, load_yaml_with_defaults, resolve_recipe_path
+from rlfleet.config import load_recipe, load_yaml_with_defaults, recipe_algorithm, resolve_recipe_path
+from rlfleet.config.algorithm import algorithm_spec
 from rlfleet.deploy.gke import DeployError, default_k8s_name
 
 if TYPE_CHECKING:
@@ -209,7 +210,8 @@ def submit_recipe(
     env_vars: Mapping[str, str] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> str:
-    """Submit ``rlfleet grpo <recipe> <overrides>`` as a Ray job; returns the submission id.
+    """Submit ``rlfleet <algorithm> <recipe> <overrides>`` as a Ray job (the recipe's algorithm: its
+    ``algorithm:`` key, or its one algorithm section); returns the submission id.
 
     The recipe (its ``defaults:`` parents merged in) is uploaded as the job's ``working_dir``, so the cluster
     runs exactly the local file; the image provides rlfleet itself. ``entrypoint`` replaces the command
@@ -220,14 +222,17 @@ def submit_recipe(
         JobsApiError: the cluster is unreachable or refuses the request.
     """
     path = resolve_recipe_path(recipe)
+    algorithm = algorithm_spec(recipe_algorithm(path))
     load_recipe(path, list(overrides))
     env_vars = dict(env_vars or {})
     _check_env_vars(env_vars)
-    command = entrypoint or shlex.join(["rlfleet", "grpo", RECIPE_IN_JOB, *overrides])
+    command = entrypoint or shlex.join(["rlfleet", algorithm.command, RECIPE_IN_JOB, *overrides])
     job_id = submission_id or submission_id_for(path.name)
     metadata = {"rlfleet_recipe": path.name, "rlfleet_overrides": shlex.join(overrides)}
     with tempfile.TemporaryDirectory(prefix="rlfleet-job-") as tmp:
-        text = yaml.safe_dump(load_yaml_with_defaults(path), sort_keys=False, allow_unicode=True)
+        # merged with its defaults, so it says its algorithm itself (its parents' sections are in it too)
+        merged = {**load_yaml_with_defaults(path), "algorithm": algorithm.name}
+        text = yaml.safe_dump(merged, sort_keys=False, allow_unicode=True)
         (Path(tmp) / RECIPE_IN_JOB).write_text(text, encoding="utf-8")
         runtime_env: dict[str, Any] = {"working_dir": tmp}
         if env_vars:

@@ -35,9 +35,11 @@ from rlfleet.config import (
     config_to_yaml,
     load_recipe,
     quote_override_value,
+    recipe_algorithm,
     resolve_recipe_path,
     unsupported_settings,
 )
+from rlfleet.config.algorithm import algorithm_spec
 from rlfleet.config.layout import resource_layout
 from rlfleet.deploy.gke import (
     DEFAULT_IMAGE,
@@ -401,7 +403,8 @@ def render_job(recipe: str, overrides: Sequence[str], opts: RenderOptions) -> Re
     cfg = load_recipe(path, run_overrides)
     _check_sizing(cfg, profile)
     layout = resource_layout(cfg)
-    check_config(cfg, "grpo", layout=layout)
+    algorithm = algorithm_spec(recipe_algorithm(path))  # the recipe's own: its key, or its one section
+    check_config(cfg, algorithm, layout=layout)
     notes = [n for n in (ckpt_note, log_note) if n]
     unsupported = unsupported_settings(cfg, here=False, layout=layout)
     notes += [f"this rlfleet build cannot run yet: {p}" for p in unsupported]
@@ -410,7 +413,7 @@ def render_job(recipe: str, overrides: Sequence[str], opts: RenderOptions) -> Re
             f"policy.model_name {cfg.policy.model_name!r} is a local path here; the pods need it too "
             f"(copy it under {DATA_MOUNT} and override policy.model_name, or use a hub id)"
         )
-    entrypoint = shlex.join(["rlfleet", "grpo", f"{RECIPE_MOUNT}/{RECIPE_FILE}"])
+    entrypoint = shlex.join(["rlfleet", algorithm.command, f"{RECIPE_MOUNT}/{RECIPE_FILE}"])
     docs = network_documents(opts.network_prefix)
     wandb = cfg.logger.wandb_enabled
     if opts.cluster_only:

@@ -2,7 +2,7 @@
 
 The engines are those ``RayRuntime`` starts (``rlfleet.distributed.ray_policy``): colocated, one inside
 the first training rank of each group of ``vllm_cfg.tensor_parallel_size`` ranks; dedicated, one
-``rlfleet.generation.worker.GenerationWorker`` actor per bundle of its own. How the weights reach them is
+``rlfleet.generation.rank.GenerationRank`` actor per bundle of its own. How the weights reach them is
 ``rlfleet.generation.weights``; this module only orchestrates it (and replaces dead dedicated engines).
 """
 
@@ -14,13 +14,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
+from rlfleet.distributed.rank_group import RankDiedError, RankTimeoutError, RayRankGroup, gather
 from rlfleet.distributed.ray_policy import RayRuntime, TrainingWorkerLostError, balance_metrics
-from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError, WorkerTimeoutError, gather
 from rlfleet.errors import UserError
 from rlfleet.generation import GenerationResult, SamplingParams
+from rlfleet.generation.rank import RankOutput
 from rlfleet.generation.sampling import row_seeds
 from rlfleet.generation.weights import WeightSpec
-from rlfleet.generation.worker import WorkerOutput
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class RayGeneration:
         else:
             self._start_dedicated()
 
-    def _engines(self) -> RayWorkerGroup:
+    def _engines(self) -> RayRankGroup:
         if self.runtime.layout.colocated:
             return self.runtime.training()
         if self.runtime.gen is None:
@@ -146,7 +146,7 @@ class RayGeneration:
     ) -> list[GenerationResult]:
         ranks = self._engine_ranks()
         shares = split_rows(len(prompts), len(ranks))
-        outputs: list[WorkerOutput] = self._engines().run_on(
+        outputs: list[RankOutput] = self._engines().run_on(
             ranks, "generate_rows", [([list(p) for p in prompts[a:b]], params, seeds[a:b]) for a, b in shares]
         )
         self.last_metrics = balance_metrics(
@@ -163,8 +163,8 @@ class RayGeneration:
                     self._start_dedicated()
                     log.warning("generation engines restarted in %.1fs", time.perf_counter() - start)
                 return action()
-            except (WorkerDiedError, WorkerTimeoutError) as exc:
-                if self.runtime.layout.colocated and isinstance(exc, WorkerDiedError):
+            except (RankDiedError, RankTimeoutError) as exc:
+                if self.runtime.layout.colocated and isinstance(exc, RankDiedError):
                     raise TrainingWorkerLostError.from_death(exc) from exc  # the engines are trainers
                 if self.runtime.layout.colocated:
                     raise

@@ -1,10 +1,10 @@
 """The driver's handles on a policy trained by Ray actors: the same methods as the in-process worker.
 
 ``RayRuntime`` reserves the placement groups and starts the worker groups (the training ranks host
-``rlfleet.policy.sharded_worker.ShardedPolicyWorker``, dedicated generation ranks
-``rlfleet.generation.worker.GenerationWorker``); ``RayPolicy`` (logprobs, training, checkpoints) and
+``rlfleet.policy.sharded_rank.ShardedPolicyRank``, dedicated generation ranks
+``rlfleet.generation.rank.GenerationRank``); ``RayPolicy`` (logprobs, training, checkpoints) and
 ``rlfleet.distributed.ray_generation.RayGeneration`` (sampling, refit) are what the algorithms see, so
-the GRPO and SFT loops do not change between one process and a cluster.
+the loops do not change between one process and a cluster.
 
 Layouts (``config.layout``): *colocated*, every training rank also holds a generation engine (HF, or a
 vLLM engine process) refitted from the gathered weights; *dedicated*, generation engines run on their own
@@ -28,16 +28,16 @@ from rlfleet.distributed.cluster import (
     create_node_placement_groups,
     remove_placement_groups,
 )
-from rlfleet.distributed.worker_group import RayWorkerGroup, WorkerDiedError
+from rlfleet.distributed.rank_group import RankDiedError, RayRankGroup
 from rlfleet.errors import UserError
+from rlfleet.generation.rank import GenerationRank
 from rlfleet.generation.vllm import VLLMSettings
-from rlfleet.generation.worker import GenerationWorker
 from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.interface import LossFn
 from rlfleet.policy.microbatch import MicroBatching
-from rlfleet.policy.sharded_worker import ShardedPolicyWorker, ShardingSettings
-from rlfleet.policy.worker import OptimizerSettings
+from rlfleet.policy.rank import OptimizerSettings
+from rlfleet.policy.sharded_rank import ShardedPolicyRank, ShardingSettings
 
 if TYPE_CHECKING:
     import torch
@@ -101,8 +101,8 @@ class RayRuntime:
         self.owns_ray = connect_or_start(None, num_cpus=processes + 2, timeout_s=placement_timeout_s)
         self.use_gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.groups: list[Any] = []
-        self.train: RayWorkerGroup | None = None
-        self.gen: RayWorkerGroup | None = None
+        self.train: RayRankGroup | None = None
+        self.gen: RayRankGroup | None = None
         try:
             self.train_pgs = self._reserve(layout.train_nodes, layout.train_gpus_per_node, "rlfleet-train")
             self.gen_pgs = (
@@ -127,7 +127,7 @@ class RayRuntime:
                 "keep_reference": keep_reference,
                 "seed": seed,
             }
-            self.train = RayWorkerGroup(ShardedPolicyWorker, self.train_pgs, init, call_timeout_s)
+            self.train = RayRankGroup(ShardedPolicyRank, self.train_pgs, init, call_timeout_s)
             engines = f"{layout.gen_engines} {layout.backend} engine(s) x TP {layout.gen_tp}, " + (
                 "colocated" if layout.colocated else "dedicated"
             )
@@ -148,12 +148,12 @@ class RayRuntime:
         self.groups.extend(groups)
         return groups
 
-    def training(self) -> RayWorkerGroup:
+    def training(self) -> RayRankGroup:
         if self.train is None:
             raise RuntimeError("the training workers are shut down")
         return self.train
 
-    def start_generation_group(self) -> RayWorkerGroup:
+    def start_generation_group(self) -> RayRankGroup:
         """(Re)starts the dedicated generation workers on their placement groups."""
         if self.gen is not None:
             self.gen.shutdown()
@@ -161,7 +161,7 @@ class RayRuntime:
         # its GPUs to itself; the engine core in the worker's process, which hosts nothing else
         vllm = None if self.vllm is None else replace(self.vllm, shares_gpu=False, in_process=True)
         init = {"source": self.source, "batch_size": self.generation_batch_size, "vllm": vllm}
-        self.gen = RayWorkerGroup(GenerationWorker, self.gen_pgs, init, self.call_timeout_s)
+        self.gen = RayRankGroup(GenerationRank, self.gen_pgs, init, self.call_timeout_s)
         return self.gen
 
     def close(self) -> None:
@@ -184,7 +184,7 @@ class TrainingWorkerLostError(UserError, RuntimeError):
     it alone and exits 2 rather than reporting a bug."""
 
     @classmethod
-    def from_death(cls, exc: WorkerDiedError) -> TrainingWorkerLostError:
+    def from_death(cls, exc: RankDiedError) -> TrainingWorkerLostError:
         return cls(
             f"training {exc}. The sharded state of this step is lost; rerun the same command to resume "
             "from the last checkpoint (checkpointing.checkpoint_dir)"
@@ -202,7 +202,7 @@ class RayPolicy:
     def _run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         try:
             return self.runtime.training().run_all(method, *args, **kwargs)
-        except WorkerDiedError as exc:
+        except RankDiedError as exc:
             raise TrainingWorkerLostError.from_death(exc) from exc
 
     def accelerator_name(self) -> str:

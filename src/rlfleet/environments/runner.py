@@ -5,7 +5,7 @@
   Nothing bounds its time: an environment that may hang belongs in workers.
 * :class:`PooledRunner` (``num_workers >= 1``) steps each item in worker processes, or Ray actors when the run
   is on Ray: the reward pools' machinery (:class:`~rlfleet.rewards.ProcessWorkerPool`,
-  :class:`~rlfleet.workers.ray_pool.RayWorkerPool`), with the same per-item time bound (``timeout_s``),
+  :class:`~rlfleet.pools.ray_pool.RayWorkerPool`), with the same per-item time bound (``timeout_s``),
   restart of a dead or stuck worker, and counting.
 
 A failed item (raised, timed out, malformed) ends its episode with reward 0, counts in
@@ -31,7 +31,7 @@ from rlfleet.environments.interface import (
     split_return,
 )
 from rlfleet.errors import UserError
-from rlfleet.workers.pool import WorkerPool
+from rlfleet.pools.process_pool import WorkerPool
 
 log = logging.getLogger(__name__)
 

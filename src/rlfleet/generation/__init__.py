@@ -1,6 +1,6 @@
 """Generation backends behind one interface.
 
-Also here: the per-rank ``worker.GenerationWorker`` (an engine a Ray actor or a training rank hosts) and
+Also here: the per-rank ``worker.GenerationRank`` (an engine a Ray actor or a training rank hosts) and
 ``weights``, the one path of the trainer's weights to the engines.
 """
 

@@ -12,15 +12,15 @@ safetensors file and reloads them all (:mod:`rlfleet.generation.vllm`). Three tr
        trainer model --engine_state--> buckets --> VLLMGenerationBackend.load_buckets
        (HFGenerationBackend samples with the trainer's own module: nothing moves)
 
-  2. Ray, colocated (RayGeneration.refit --> ShardedPolicyWorker.refit on every training rank)
-       FSDP2 shards --gather (all ranks)--> engine_state --> GenerationWorker.update_weights
+  2. Ray, colocated (RayGeneration.refit --> ShardedPolicyRank.refit on every training rank)
+       FSDP2 shards --gather (all ranks)--> engine_state --> GenerationRank.update_weights
          --> buckets --> backend.load_buckets                 (on the ranks that host an engine)
 
   3. Ray, dedicated (RayGeneration: weight_spec + join_refit_group once, then broadcast_weights)
-       training rank 0, ShardedPolicyWorker.broadcast_weights(spec):
+       training rank 0, ShardedPolicyRank.broadcast_weights(spec):
          FSDP2 shards --gather (all ranks)--> engine_state --> buckets --> RefitGroup.send
                                                                              || one flat tensor per
-       generation ranks 1..N, GenerationWorker.broadcast_weights(spec):      ||  bucket (NCCL/gloo)
+       generation ranks 1..N, GenerationRank.broadcast_weights(spec):      ||  bucket (NCCL/gloo)
          backend.load_buckets <-- RefitGroup.receive <=========================
 
 The vocabulary, the same on every class that takes part:

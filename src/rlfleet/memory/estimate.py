@@ -229,8 +229,8 @@ def logprob_peak(
 ) -> dict[str, float]:
     """Bytes at the peak of a logprob pass (no autograd), by part: inside a decoder layer, or at the logits
     beside the final hidden states. That is the peak of live tensors (a GPU's); on a CPU the layers' freed
-    pages stay resident while the logits are computed (Gemma 3 270M's eager 27,648-token pass: 6.01 GiB
-    resident against 6.19 estimated as the sum), so there the two add up."""
+    pages stay resident while the logits are computed, so there the two add up (``benchmarks/memory.py``
+    compares the estimate with the measured peak)."""
     held = {
         "weights (fp32)": state.weights,
         "AdamW moments (fp32)": state.optimizer,

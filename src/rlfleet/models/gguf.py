@@ -1,7 +1,7 @@
 """A GGUF file as a plain checkpoint: de-quantised once into rlfleet's cache, then loaded like any other.
 
-transformers de-quantises a GGUF file at every load (about a minute for Gemma 3 270M on 2 cores, 20 s of
-which is converting its 262k-token tokenizer), and each process of a run (the trainer, a reference copy,
+transformers de-quantises a GGUF file at every load (its weights and its tokenizer, slow for a large
+vocabulary), and each process of a run (the trainer, a reference copy,
 Ray workers, ``rlfleet eval``) loads it again. :func:`converted_checkpoint` does it once per file: the
 de-quantised float32 weights (safetensors), the config without its GGUF record (``drop_gguf_config``: vLLM
 and ``from_pretrained`` read it as a plain model) and the tokenizer, in

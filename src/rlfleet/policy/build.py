@@ -18,8 +18,8 @@ The rules, the same on every path (one device or many, CPU or GPU):
   exactly as without LoRA, and the merge ``W + s B A`` for generation engines runs in float32. The reference
   is the policy with its adapters off (``WithoutAdapters``): no second copy of the weights.
 
-The in-process ``PolicyWorker`` is the no-mesh (world size 1) case of ``build_policy_models``; the
-``ShardedPolicyWorker`` passes its ``("dp", "tp")`` mesh.
+The in-process ``PolicyRank`` is the no-mesh (world size 1) case of ``build_policy_models``; the
+``ShardedPolicyRank`` passes its ``("dp", "tp")`` mesh.
 """
 
 from __future__ import annotations

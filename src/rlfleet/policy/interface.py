@@ -1,6 +1,6 @@
 """The policy interface: what the algorithms need from the trainable model, wherever it runs.
 
-Two classes implement it structurally: :class:`~rlfleet.policy.worker.PolicyWorker` (one model in this
+Two classes implement it structurally: :class:`~rlfleet.policy.rank.PolicyRank` (one model in this
 process) and :class:`~rlfleet.distributed.ray_policy.RayPolicy` (the sharded training ranks on Ray, seen
 as one). The loops (SFT, GRPO, ``rlfleet eval``) are typed against :class:`Policy` and the generation
 side's :class:`~rlfleet.generation.GenerationBackend`, so they never learn which one they drive.

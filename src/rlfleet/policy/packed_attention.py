@@ -15,8 +15,7 @@ common case on a CPU, stay plain causal.
 Nor does the model build the ``L x L`` mask it would hand to the attention: for one unpadded row without a
 cache (``packed_sdpa_mask``) there is none, since a packed row's sequences bring their own masks and a
 single sequence is causal (with its window, if any, built here). transformers builds a packed row's
-block-diagonal boolean mask once per mask type and forward: 1.4 GiB for Gemma 3's two types on a
-27,648-token logprob micro-batch.
+block-diagonal boolean mask once per mask type and forward, quadratic in the packed row's length.
 """
 
 from __future__ import annotations

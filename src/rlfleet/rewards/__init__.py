@@ -3,7 +3,7 @@
 :func:`math_reward` checks a final answer (``#### N``, ``\\boxed{}``, a last number) against the gold, exactly
 for plain numbers and with HF math-verify otherwise; a worked-solution gold is reduced to its answer first
 (:func:`gold_answer`), and a gold that is no answer raises :class:`InvalidGoldError`, which the pools count
-as an error. The pools of :mod:`rlfleet.workers` run a reward function over a batch in worker processes (or
+as an error. The pools of :mod:`rlfleet.pools` run a reward function over a batch in worker processes (or
 Ray actors), each response within a time bound.
 """
 

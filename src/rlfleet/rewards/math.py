@@ -29,7 +29,7 @@ DEFAULT_TIMEOUT_S = 5.0
 def answers_match(response: str, gold: str) -> bool:
     """Whether the final answer of ``response`` equals ``gold`` (:func:`gold_answer` of it): exactly for
     plain numbers, else by math-verify. Not time-bounded: see :func:`math_reward` and
-    :class:`~rlfleet.workers.ProcessWorkerPool`.
+    :class:`~rlfleet.pools.ProcessWorkerPool`.
 
     Raises:
         InvalidGoldError: ``gold`` is not an answer and cannot be reduced to one.
@@ -59,7 +59,7 @@ def math_reward(
     data, not the response, is wrong: the verifier pools that score a training step count it in
     ``num_errors`` with reward 0.0 and log the first one (the step goes on); a caller that scores in process
     sees the exception. The budget is a ``SIGALRM`` timer, so it holds only on the main thread and only for
-    Python code; inside a :class:`~rlfleet.workers.ProcessWorkerPool` worker the pool's own budget applies
+    Python code; inside a :class:`~rlfleet.pools.ProcessWorkerPool` worker the pool's own budget applies
     instead (a timeout there propagates so that the pool counts it), and a worker stuck in C code is killed.
 
     Args:

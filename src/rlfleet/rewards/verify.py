@@ -4,7 +4,7 @@ math-verify bounds its own work with ``signal.alarm`` (whole seconds, re-armed a
 every parse and every comparison), which would cancel an outer timer; we switch those off and bound a whole
 check with one ``setitimer`` budget instead (:func:`time_budget`). A signal only interrupts Python code, so
 this budget is best effort: a stall inside C code (a huge integer power, a regex) is bounded only by
-:class:`rlfleet.workers.pool.ProcessWorkerPool`, which kills the worker process.
+:class:`rlfleet.pools.process_pool.ProcessWorkerPool`, which kills the worker process.
 """
 
 from __future__ import annotations

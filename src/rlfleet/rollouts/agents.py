@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlfleet.environments.agent import AgentEnvironment
 from rlfleet.generation import GenerationBackend, SamplingParams
-from rlfleet.rollouts.episode import Episode
+from rlfleet.rollouts.conversation import Episode
 from rlfleet.serving.engine import PolicyEndpoint, ServingLimits
 from rlfleet.serving.record import EpisodeRecord
 from rlfleet.serving.server import ServerSettings, ServerThread

@@ -40,7 +40,7 @@ from rlfleet.errors import UserError
 from rlfleet.generation import GenerationBackend, GenerationResult, SamplingParams
 from rlfleet.generation.sampling import row_seeds, turn_seed
 from rlfleet.rollouts.agents import AgentDriver
-from rlfleet.rollouts.episode import Episode
+from rlfleet.rollouts.conversation import Episode
 from rlfleet.rollouts.rollout import Rollout
 
 

@@ -41,9 +41,9 @@ from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import lora_settings
 from rlfleet.policy.interface import Policy
 from rlfleet.policy.microbatch import MicroBatching
+from rlfleet.policy.rank import OptimizerSettings, PolicyRank
 from rlfleet.policy.schedule import LrSchedule
-from rlfleet.policy.sharded_worker import ShardingSettings
-from rlfleet.policy.worker import OptimizerSettings, PolicyWorker
+from rlfleet.policy.sharded_rank import ShardingSettings
 from rlfleet.utils.flops import FlopMeter, peak_flops, shape_from_config
 
 log = logging.getLogger("rlfleet")
@@ -85,13 +85,13 @@ def optimizer_settings(cfg: MasterConfig) -> OptimizerSettings:
     )
 
 
-def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> PolicyWorker:
+def build_worker(cfg: MasterConfig, *, seed: int, keep_reference: bool) -> PolicyRank:
     """Loads the policy named by ``policy.model_name`` into an in-process worker with its optimizer."""
     settings = optimizer_settings(cfg)
     torch.manual_seed(seed)
     # float32 master weights computing in policy.precision; on the GPU when there is one (the Ray layer
     # places multi-GPU workers)
-    return PolicyWorker(
+    return PolicyRank(
         model_source(cfg),
         settings,
         keep_reference=keep_reference,
@@ -128,7 +128,7 @@ def ray_vllm_settings(cfg: MasterConfig, seed: int) -> VLLMSettings:
     return replace(settings, engine_kwargs=kwargs)
 
 
-def _hf_backend(cfg: MasterConfig, worker: PolicyWorker, seed: int) -> GenerationBackend:
+def _hf_backend(cfg: MasterConfig, worker: PolicyRank, seed: int) -> GenerationBackend:
     return HFGenerationBackend(
         worker.model,
         worker.tokenizer,
@@ -137,20 +137,20 @@ def _hf_backend(cfg: MasterConfig, worker: PolicyWorker, seed: int) -> Generatio
     )
 
 
-def _vllm_backend(cfg: MasterConfig, worker: PolicyWorker, seed: int) -> GenerationBackend:
+def _vllm_backend(cfg: MasterConfig, worker: PolicyRank, seed: int) -> GenerationBackend:
     engine = VLLMGenerationBackend(worker.model, worker.tokenizer, vllm_settings(cfg, seed))
     worker.closers.append(engine.close)  # closed with the worker, which the loops already close
     return engine
 
 
 # the class behind each backend name (what each can do: rlfleet.config.backends)
-IN_PROCESS_BACKENDS: dict[BackendName, Callable[[MasterConfig, PolicyWorker, int], GenerationBackend]] = {
+IN_PROCESS_BACKENDS: dict[BackendName, Callable[[MasterConfig, PolicyRank, int], GenerationBackend]] = {
     "hf": _hf_backend,
     "vllm": _vllm_backend,
 }
 
 
-def build_backend(cfg: MasterConfig, worker: PolicyWorker, *, seed: int) -> GenerationBackend:
+def build_backend(cfg: MasterConfig, worker: PolicyRank, *, seed: int) -> GenerationBackend:
     """The configured generation backend, colocated with ``worker`` (an engine of its own is closed with the
     worker: ``worker.close()``)."""
     return IN_PROCESS_BACKENDS[generation_backend(cfg).name](cfg, worker, seed)

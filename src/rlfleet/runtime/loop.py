@@ -1,7 +1,8 @@
 """The run around a loop's step: resume, validate, checkpoint, log, and release everything at the end.
 
-Shared by SFT and GRPO. Each loop builds its components (:mod:`rlfleet.runtime.components`), hands them to
-:func:`make_context` and drives its ``step`` with :func:`run_loop`.
+Shared by every algorithm: :meth:`rlfleet.algorithms.base.Trainer.start` builds a loop's components with
+:func:`start_run` (:mod:`rlfleet.runtime.components`, then :func:`make_context` and the resume), and
+:meth:`~rlfleet.algorithms.base.Trainer.train` drives its ``step`` with :func:`run_loop`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from rlfleet.generation import GenerationBackend
 from rlfleet.logging import MetricsLogger, Progress, format_step_line, read_metrics
 from rlfleet.memory.probes import step_memory_metrics
 from rlfleet.policy.interface import Policy
-from rlfleet.rollouts.environments import (
+from rlfleet.rollouts.environment_setup import (
     build_episode_runner,
     close_runners,
     load_environments,
@@ -50,7 +51,7 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
 
 @dataclass
 class RunContext:
-    """The live objects of a run, shared by the SFT and GRPO loops."""
+    """The live objects of a run, shared by every loop."""
 
     cfg: MasterConfig
     policy: Policy  # in-process worker, or the driver's handle on Ray actors

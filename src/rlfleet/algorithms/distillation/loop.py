@@ -26,8 +26,8 @@ from rlfleet.config import MasterConfig
 from rlfleet.generation import SamplingParams
 from rlfleet.policy.batch import collate
 from rlfleet.rollouts.collect import GroupCollector
-from rlfleet.rollouts.evaluate import evaluate
 from rlfleet.rollouts.rollout import Rollout, accuracy, mean_response_length
+from rlfleet.rollouts.validation import evaluate
 from rlfleet.runtime.components import micro_batching
 from rlfleet.runtime.loop import step_seed
 from rlfleet.utils.timing import PhaseTimer
@@ -38,7 +38,7 @@ def distillation_loss_fn(cfg: MasterConfig) -> DistillationLossFn:
     return DistillationLossFn(loss.kl_type, loss.mixed_kl_weight, loss.zero_outside_topk)
 
 
-def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+def student_sample_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     """The student's samples: their reward and accuracy by the environment, their length."""
     return {
         "train/reward": sum(r.reward for r in rollouts) / max(len(rollouts), 1),
@@ -111,7 +111,7 @@ class Distillation(Trainer):
         timing = {**{f"timing/{k}": v for k, v in collected.seconds.items()}, **timer.metrics()}
         total = time.perf_counter() - start
         return {
-            **rollout_metrics(rollouts),
+            **student_sample_metrics(rollouts),
             **{f"train/{k}": v for k, v in train.items()},
             "train/num_tokens": int(batch.attention_mask.sum()),
             **timing,

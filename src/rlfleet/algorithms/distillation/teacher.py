@@ -19,7 +19,7 @@ from rlfleet.models.loading import ModelSource
 from rlfleet.policy.batch import TrainBatch
 from rlfleet.policy.logprobs import Readout, batch_logprobs
 from rlfleet.policy.microbatch import MicroBatching
-from rlfleet.policy.worker import default_device
+from rlfleet.policy.rank import default_device
 
 
 def _teacher_pick(k: int, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -29,7 +29,6 @@ from rlfleet.data.preferences import PreferencePair
 from rlfleet.generation import SamplingParams
 from rlfleet.policy.loss_functions import DPOLossFn
 from rlfleet.rollouts.collect import GroupCollector
-from rlfleet.rollouts.evaluate import evaluate
 from rlfleet.rollouts.pairs import (
     PairSource,
     best_and_worst_of_groups,
@@ -38,6 +37,7 @@ from rlfleet.rollouts.pairs import (
     sampled_pair,
 )
 from rlfleet.rollouts.rollout import Rollout, accuracy
+from rlfleet.rollouts.validation import evaluate
 from rlfleet.runtime.components import micro_batching
 from rlfleet.runtime.loop import step_seed
 from rlfleet.utils.timing import PhaseTimer

@@ -153,7 +153,7 @@ def _generation(cfg: MasterConfig) -> str:
     return name if backend.reason == "set by the recipe" else f"{name} ({backend.reason})"
 
 
-def describe_algorithm(cfg: MasterConfig, batching: ResolvedBatching | None = None) -> list[tuple[str, str]]:
+def describe_grpo(cfg: MasterConfig, batching: ResolvedBatching | None = None) -> list[tuple[str, str]]:
     """``(label, text)`` rows: the GRPO objective, the importance-sampling correction, the sampling, whether
     generation overlaps training, the rollouts, the compute dtype and the micro-batches (``batching``: the
     run's token budgets as resolved for this machine, ``rlfleet.memory.planner.resolve_batching``; by

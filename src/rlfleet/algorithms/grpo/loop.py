@@ -53,9 +53,9 @@ from rlfleet.policy.loss_functions import ClippedPGLossFn
 from rlfleet.policy.microbatch import MicroBatching, computed_rows
 from rlfleet.rollouts.collect import Collected, GroupCollector
 from rlfleet.rollouts.dynamic_sampling import trainable_rows
-from rlfleet.rollouts.evaluate import evaluate
 from rlfleet.rollouts.prefetch import RolloutPrefetcher
 from rlfleet.rollouts.rollout import Rollout, accuracy, mean_response_length
+from rlfleet.rollouts.validation import evaluate
 from rlfleet.runtime.components import flop_meter, micro_batching
 from rlfleet.runtime.loop import step_seed
 from rlfleet.utils.timing import PhaseTimer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rlfleet.algorithms.grpo.checks import grpo_problems
 from rlfleet.algorithms.grpo.config import GRPOConfig
-from rlfleet.algorithms.grpo.describe import describe_algorithm
+from rlfleet.algorithms.grpo.describe import describe_grpo
 from rlfleet.config.algorithm import AlgorithmSettings, AlgorithmSpec, sampled_group_rows, sampled_groups
 from rlfleet.config.schema import MasterConfig
 
@@ -28,6 +28,6 @@ SPEC = AlgorithmSpec(
     ),
     step_rows=lambda cfg, facts: sampled_group_rows(cfg, facts, "grpo"),
     checks=grpo_problems,
-    describe=describe_algorithm,
+    describe=describe_grpo,
     reads=("loss_fn",),
 )

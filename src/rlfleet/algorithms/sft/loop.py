@@ -18,7 +18,7 @@ from rlfleet.data.prompts import CONTEXT_SPANS, response_target_and_mask
 from rlfleet.generation import SamplingParams
 from rlfleet.policy.batch import TrainBatch, collate
 from rlfleet.policy.loss_functions import NLLLossFn
-from rlfleet.rollouts.evaluate import evaluate
+from rlfleet.rollouts.validation import evaluate
 from rlfleet.runtime.components import micro_batching
 from rlfleet.runtime.loop import step_seed
 from rlfleet.utils.timing import PhaseTimer

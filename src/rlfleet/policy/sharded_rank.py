@@ -1,9 +1,9 @@
 """The data-parallel, FSDP2-sharded policy worker: one instance per rank of a process group.
 
-A plain class (the Ray layer hosts it; see ``rlfleet.distributed.worker_group``). Every rank receives the
+A plain class (the Ray layer hosts it; see ``rlfleet.distributed.rank_group``). Every rank receives the
 whole batch and works on its contiguous share of each global batch; the loss is divided by the token and
 sequence counts of the *global* batch (all-reduced first), and gradients are summed across ranks, so one
-step equals the single-process ``PolicyWorker`` step on the same batch.
+step equals the single-process ``PolicyRank`` step on the same batch.
 
 It is also the trainer's end of the weight path to the generation engines (``rlfleet.generation.weights``):
 colocated, each rank gathers the full weights into the engine it hosts (``refit``); dedicated, rank 0
@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from rlfleet.generation import SamplingParams
+from rlfleet.generation.rank import GenerationRank, RankOutput
 from rlfleet.generation.vllm import VLLMSettings
 from rlfleet.generation.weights import RefitGroup, WeightSpec, engine_state, weight_spec
-from rlfleet.generation.worker import GenerationWorker, WorkerOutput
 from rlfleet.models.loading import ModelSource
 from rlfleet.models.lora import LoraSettings
 from rlfleet.policy.batch import TrainBatch
@@ -40,7 +40,7 @@ from rlfleet.policy.microbatch import (
     trained_rows,
 )
 from rlfleet.policy.parallelize import build_mesh, clip_grad_norm
-from rlfleet.policy.worker import OptimizerSettings, TrainablePolicy
+from rlfleet.policy.rank import OptimizerSettings, TrainablePolicy
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class ShardingSettings:
     lora: LoraSettings | None = None  # train LoRA adapters only (policy.dtensor_cfg.lora_cfg)
 
 
-class ShardedPolicyWorker(TrainablePolicy):
+class ShardedPolicyRank(TrainablePolicy):
     """Holds this rank's shard of the policy (and optionally of a frozen reference) and its optimizer.
 
     Ranks form a 2-D (data-parallel x tensor-parallel) mesh; FSDP2 shards over the data-parallel axis.
@@ -64,7 +64,7 @@ class ShardedPolicyWorker(TrainablePolicy):
 
     Args:
         source: The policy to load (``policy.model_name`` and friends).
-        settings: Optimizer, warm-up schedule and gradient clipping (as ``PolicyWorker``).
+        settings: Optimizer, warm-up schedule and gradient clipping (as ``PolicyRank``).
         sharding: Tensor parallelism, activation checkpointing, colocated generation.
         keep_reference: Also hold a frozen, sharded copy of the initial weights.
         seed: Seeds torch on this rank before the model is built.
@@ -82,7 +82,7 @@ class ShardedPolicyWorker(TrainablePolicy):
         seed: int = 0,
     ) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("ShardedPolicyWorker needs a process group; build it through RayWorkerGroup")
+            raise RuntimeError("ShardedPolicyRank needs a process group; build it through RayRankGroup")
         torch.manual_seed(seed)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -103,11 +103,11 @@ class ShardedPolicyWorker(TrainablePolicy):
             lora=sharding.lora,
         )
         self._init_models(models)
-        self.generator: GenerationWorker | None = None
+        self.generator: GenerationRank | None = None
         if sharding.generation_batch_size is not None:
             vllm = self._group_engine(sharding.generation_vllm)
             if vllm is not None or sharding.generation_vllm is None:
-                self.generator = GenerationWorker(source, sharding.generation_batch_size, vllm)
+                self.generator = GenerationRank(source, sharding.generation_batch_size, vllm)
         self.refit_group: RefitGroup | None = None
         self.busy_seconds = 0.0
 
@@ -204,14 +204,12 @@ class ShardedPolicyWorker(TrainablePolicy):
 
     # ---------------------------------------------------------------------------- generation and refit
 
-    def _engine(self) -> GenerationWorker:
+    def _engine(self) -> GenerationRank:
         if self.generator is None:
             raise RuntimeError("this rank has no colocated generation engine (generation_batch_size=None)")
         return self.generator
 
-    def generate_rows(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]
-    ) -> WorkerOutput:
+    def generate_rows(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> RankOutput:
         """Colocated generation on this rank's engine."""
         return self._engine().generate_rows(prompts, params, seeds)
 

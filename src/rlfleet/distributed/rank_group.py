@@ -1,6 +1,6 @@
 """A group of Ray actors, one per placement-group bundle, joined in one ``torch.distributed`` process group.
 
-Each actor hosts an instance of a plain per-rank class (for example ``ShardedPolicyWorker``). The host
+Each actor hosts an instance of a plain per-rank class (for example ``ShardedPolicyRank``). The host
 limits torch to one thread, joins the process group (gloo on CPU, NCCL with CUDA) and only then builds the
 worker, so that a worker may run collectives (FSDP sharding) in its constructor.
 """
@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 logger = logging.getLogger(__name__)
 
 
-class WorkerDiedError(RuntimeError):
+class RankDiedError(RuntimeError):
     """A worker actor died (crashed, was killed or lost its node)."""
 
     def __init__(self, rank: int, cause: BaseException) -> None:
@@ -36,7 +36,7 @@ class WorkerDiedError(RuntimeError):
         self.rank = rank
 
 
-class WorkerTimeoutError(TimeoutError):
+class RankTimeoutError(TimeoutError):
     """Some ranks did not answer a call within the group's timeout."""
 
 
@@ -96,8 +96,8 @@ def gather(refs: Sequence[ray.ObjectRef], timeout_s: float) -> list[Any]:
     """``ray.get`` in order, failing as soon as any call fails (rather than waiting on a blocked peer).
 
     Raises:
-        WorkerDiedError: The actor behind a call died (its index in ``refs`` is named as the rank).
-        WorkerTimeoutError: Some calls did not finish within ``timeout_s``.
+        RankDiedError: The actor behind a call died (its index in ``refs`` is named as the rank).
+        RankTimeoutError: Some calls did not finish within ``timeout_s``.
     """
     rank_of = {ref: rank for rank, ref in enumerate(refs)}
     results: dict[int, Any] = {}
@@ -108,7 +108,7 @@ def gather(refs: Sequence[ray.ObjectRef], timeout_s: float) -> list[Any]:
         done, pending = ray.wait(pending, num_returns=1, timeout=max(remaining, 0.0))
         if not done:
             ranks = sorted(rank_of[r] for r in pending)
-            raise WorkerTimeoutError(
+            raise RankTimeoutError(
                 f"ranks {ranks} did not answer within {timeout_s:.0f}s; a peer may be stuck in a "
                 "collective: inspect their logs, raise cluster.call_timeout_s, or shut the group down"
             )
@@ -116,11 +116,11 @@ def gather(refs: Sequence[ray.ObjectRef], timeout_s: float) -> list[Any]:
             try:
                 results[rank_of[ref]] = ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
             except ray.exceptions.RayActorError as exc:
-                raise WorkerDiedError(rank_of[ref], exc) from exc
+                raise RankDiedError(rank_of[ref], exc) from exc
     return [results[rank] for rank in range(len(refs))]
 
 
-class RayWorkerGroup:
+class RayRankGroup:
     """One actor per bundle of ``placement_groups`` (ranks in order), each hosting ``actor_cls(**init_args)``.
 
     Args:
@@ -168,8 +168,8 @@ class RayWorkerGroup:
         """Calls ``method(*args, **kwargs)`` on every rank's worker; returns the results in rank order.
 
         Raises:
-            WorkerDiedError: A rank's actor died.
-            WorkerTimeoutError: Some ranks did not finish within the group's timeout.
+            RankDiedError: A rank's actor died.
+            RankTimeoutError: Some ranks did not finish within the group's timeout.
         """
         return self._gather(self.submit(method, *args, **kwargs))
 

@@ -1,6 +1,6 @@
 """``rlfleet eval``: pass@1 and pass@k of a recipe's model or a checkpoint on the validation prompts.
 
-The episodes are those training and validation run (:mod:`rlfleet.rollouts.evaluate`): the same
+The episodes are those training and validation run (:mod:`rlfleet.rollouts.validation`): the same
 environments, the same notion of a correct response.
 """
 
@@ -19,18 +19,18 @@ from rlfleet.data import load_task, resolve_system_prompt
 from rlfleet.environments.runner import EnvRunner
 from rlfleet.generation import SamplingParams
 from rlfleet.logging import write_jsonl
-from rlfleet.rollouts.environments import (
+from rlfleet.rollouts.environment_setup import (
     build_episode_runner,
     close_runners,
     load_environments,
     prompt_tools,
     start_runners,
 )
-from rlfleet.rollouts.evaluate import pass_at_k
 from rlfleet.rollouts.rollout import (
     correct_per_group,
     mean_response_length,
 )
+from rlfleet.rollouts.validation import pass_at_k
 from rlfleet.runtime.components import build_policy, load_prompts
 
 

@@ -243,7 +243,7 @@ class TrainablePolicy(ABC):
         load_policy(step_dir, self.model)
 
 
-class PolicyWorker(TrainablePolicy):
+class PolicyRank(TrainablePolicy):
     """Computes logprobs and applies optimizer steps for one whole model replica in this process.
 
     Built by ``build_policy_models`` without a mesh: float32 master weights, forward passes under
@@ -300,8 +300,8 @@ class PolicyWorker(TrainablePolicy):
     def release(self) -> None:
         """``close``, and the weights go too: the model and the reference move to the meta device, so that
         whatever still holds this worker holds no memory. vLLM's engine start keeps the Python frames that
-        built it (and so the worker) alive: in ``rlfleet demo``'s one process, Gemma 3 270M's SFT weights and
-        AdamW moments (3 GiB) stayed through the whole GRPO stage."""
+        built it (and so the worker) alive: in ``rlfleet demo``'s one process, the SFT stage's weights and
+        AdamW moments would otherwise stay through the whole GRPO stage."""
         self.close()
         self.optimizer.param_groups.clear()  # the last references to the parameters beside the modules'
         for module in (self.model, self.reference):

@@ -37,8 +37,8 @@ from rlfleet.environments.runner import (
 )
 from rlfleet.errors import UserError
 from rlfleet.generation import GenerationBackend
+from rlfleet.pools import ProcessWorkerPool, WorkerPool
 from rlfleet.rollouts.episodes import EpisodeRunner
-from rlfleet.workers import ProcessWorkerPool, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def environment_names(cfg: MasterConfig, examples: Iterable[Example]) -> list[st
 
 def _pool(cfg: MasterConfig, layout: ResourceLayout, workers: int, timeout_s: float) -> WorkerPool:
     if uses_ray(cfg, layout=layout):
-        from rlfleet.workers.ray_pool import RayWorkerPool  # the ray extra
+        from rlfleet.pools.ray_pool import RayWorkerPool  # the ray extra
 
         return RayWorkerPool(STEP_IN_WORKER, workers, timeout_s, num_cpus=0, convert=checked_outcome)
     return ProcessWorkerPool(STEP_IN_WORKER, workers, timeout_s, convert=checked_outcome)

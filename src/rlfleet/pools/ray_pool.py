@@ -23,8 +23,7 @@ from typing import Any
 import ray
 import ray.exceptions
 
-from rlfleet.rewards.loading import RewardFn, load_reward_fn
-from rlfleet.workers.pool import (
+from rlfleet.pools.process_pool import (
     MAX_STARTUP_FAILURES,
     MAX_WAIT_S,
     SOFT_FRACTION,
@@ -37,6 +36,7 @@ from rlfleet.workers.pool import (
     Scored,
     score_one,
 )
+from rlfleet.rewards.loading import RewardFn, load_reward_fn
 
 
 class _WorkerActor:

@@ -1,6 +1,6 @@
 """The per-rank generation engine: an HF copy of the policy, or a vLLM engine, and the backend that samples.
 
-A plain class. Colocated, it lives inside each training rank (``ShardedPolicyWorker``) and takes the
+A plain class. Colocated, it lives inside each training rank (``ShardedPolicyRank``) and takes the
 gathered training weights (``update_weights``); dedicated, the Ray layer hosts it on its own bundles and it
 receives them by broadcast (``join_refit_group``, ``broadcast_weights``). Both end in the backend's
 ``load_buckets``: the HF engine copies into its parameters in place; the vLLM engine holds no copy in this
@@ -24,7 +24,7 @@ from rlfleet.models.loading import DTYPES, ModelSource
 
 
 @dataclass(frozen=True)
-class WorkerOutput:
+class RankOutput:
     """Generated responses and what producing them cost this worker."""
 
     results: list[GenerationResult]
@@ -32,7 +32,7 @@ class WorkerOutput:
     tokens: int
 
 
-class GenerationWorker:
+class GenerationRank:
     """Generates with an unsharded copy of the policy (HF ``generate``) or a vLLM engine.
 
     Args:
@@ -67,12 +67,12 @@ class GenerationWorker:
 
     def generate_rows(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
-    ) -> WorkerOutput:
+    ) -> RankOutput:
         """Samples one response per prompt (row ``i`` from ``seeds[i]``), timed."""
         start = time.perf_counter()
         results = self.backend.generate_rows(prompts, params, seeds) if prompts else []
         tokens = sum(len(r.token_ids) for r in results)
-        return WorkerOutput(results, time.perf_counter() - start, tokens)
+        return RankOutput(results, time.perf_counter() - start, tokens)
 
     def weight_spec(self) -> WeightSpec:
         """Names and shapes of the weights this engine expects, and its dtype (what they travel in)."""

@@ -5,6 +5,6 @@ steps (:class:`~rlfleet.environments.runner.PooledRunner`) run in them.
 
 from __future__ import annotations
 
-from rlfleet.workers.pool import PoolResult, ProcessWorkerPool, RewardBatch, WorkerPool
+from rlfleet.pools.process_pool import PoolResult, ProcessWorkerPool, RewardBatch, WorkerPool
 
 __all__ = ["PoolResult", "ProcessWorkerPool", "RewardBatch", "WorkerPool"]
