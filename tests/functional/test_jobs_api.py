@@ -49,7 +49,8 @@ def test_job_succeeds_with_the_recipe_uploaded_and_logs_read(ray_head: RayHead) 
     view = jobs.wait_for_job(ray_head.url, job_id, timeout_s=90, env=ray_head.client_env)
     assert view.status == "SUCCEEDED", view
     logs = jobs.job_logs(ray_head.url, job_id, env=ray_head.client_env)
-    assert "hello from rlfleet ['checkpointing', " in logs  # the uploaded recipe.yaml, read in the job
+    # the uploaded recipe.yaml, read in the job: merged with its defaults, its algorithm named
+    assert "hello from rlfleet ['algorithm', 'checkpointing', " in logs
 
 
 def test_failing_job_reports_failed_with_its_error(ray_head: RayHead) -> None:
