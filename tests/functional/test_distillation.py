@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from rlfleet.algorithms.distillation import teacher as teacher_module
 from rlfleet.algorithms.distillation.loop import Distillation
 from rlfleet.cli import main
 from rlfleet.config import ConfigError, MasterConfig, load_recipe, quote_override_value, resolve_recipe_path
 from rlfleet.logging import read_metrics
 from rlfleet.models.tiny import create_tiny_model
-from rlfleet.algorithms.distillation import teacher as teacher_module
 from tests.conftest import TEST_SPEC, assert_resumed_run_matches, kill_in_step, trainer_params
 
 
