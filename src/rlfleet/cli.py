@@ -148,6 +148,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rehearse(args: argparse.Namespace) -> int:
+    from rlfleet.runtime.rehearse import format_rehearsal, rehearse
+
+    cfg = _load(args.recipe, args.overrides)
+    spec = algorithm_spec(args.algorithm or recipe_algorithm(args.recipe))
+    check_config(cfg, spec)
+    cfg = cfg.model_copy(update={"algorithm": spec.name})
+    print(format_rehearsal(cfg, args.recipe, rehearse(cfg)))
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from rlfleet.runtime.eval_command import run_eval
 
@@ -285,6 +296,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--algorithm", choices=algorithm_names(), help=ALGORITHM_HELP)
     p.set_defaults(func=cmd_plan)
+    p = sub.add_parser(
+        "rehearse",
+        help="run one training micro-batch of each rank role at the recipe's real scale on a fake process "
+        "group, and print each rank's measured peak memory beside plan's estimate; no GPU needed",
+    )
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--algorithm", choices=algorithm_names(), help=ALGORITHM_HELP)
+    p.set_defaults(func=cmd_rehearse)
     p = sub.add_parser("eval", help="pass@1 / pass@k of a recipe's model or of a checkpoint")
     p.add_argument("target", help="recipe (path or shipped name) or a step_N checkpoint directory")
     p.add_argument("overrides", nargs="*")

@@ -16,11 +16,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-import rlfleet.algorithms.distillation.loop as distillation_module
-import rlfleet.algorithms.dpo.loop as dpo_module
-import rlfleet.algorithms.grpo.loop as grpo_module
-import rlfleet.algorithms.rm.loop as rm_module
-import rlfleet.algorithms.sft.loop as sft_module
+import rlfleet.algorithms.base as base_module
 from rlfleet.algorithms.distillation.config import TEACHER_KEYS
 from rlfleet.algorithms.distillation.loop import Distillation
 from rlfleet.algorithms.dpo.loop import DPO
@@ -28,8 +24,10 @@ from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.algorithms.rm.loop import RM
 from rlfleet.algorithms.sft.loop import SFT
 from rlfleet.config import MasterConfig, check_config, load_recipe, resolve_recipe_path, schema_keys
+from rlfleet.config.layout import resource_layout
 from rlfleet.memory.report import make_plan
 from rlfleet.runtime.eval_command import run_eval
+from rlfleet.runtime.rehearse import rank_jobs
 from tests.conftest import save_tiny_reward_model, small_grpo_config
 from tests.functional.test_distillation import small_distillation_config
 from tests.functional.test_dpo import small_dpo_config
@@ -64,11 +62,7 @@ def _unwrap_check(cfg: Any, algorithm: str, **kwargs: Any) -> None:
 
 @pytest.fixture
 def recorded(monkeypatch) -> set[str]:
-    monkeypatch.setattr(grpo_module, "check_config", _unwrap_check)
-    monkeypatch.setattr(sft_module, "check_config", _unwrap_check)
-    monkeypatch.setattr(dpo_module, "check_config", _unwrap_check)
-    monkeypatch.setattr(rm_module, "check_config", _unwrap_check)
-    monkeypatch.setattr(distillation_module, "check_config", _unwrap_check)
+    monkeypatch.setattr(base_module, "check_config", _unwrap_check)  # every loop's set-up chain
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
@@ -346,6 +340,8 @@ def test_every_schema_key_is_read_by_some_component(
     Distillation(ReadRecorder(distill, recorded)).train()  # type: ignore[arg-type]
     seed: MasterConfig = load_recipe(resolve_recipe_path("grpo-gemma3-27b-it-2n8g-fsdp2tp8-noncolocated"))
     make_plan(ReadRecorder(seed, recorded))  # type: ignore[arg-type]
+    # the rehearsal of its ranks reads which algorithm the recipe is for (``algorithm``)
+    rank_jobs(ReadRecorder(seed, recorded), resource_layout(seed))  # type: ignore[arg-type]
 
     # a teacher: block has the policy's schema (NeMo RL's recipes copy the policy's block into it); a
     # teacher reads TEACHER_KEYS of it, and the rest is documented as not used

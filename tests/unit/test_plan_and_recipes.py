@@ -63,7 +63,7 @@ def test_plan_command_prints_the_layout(capsys) -> None:
     assert main(["plan", SEED, *shlex.split(SEED_COMMAND_LINE)]) == 0
     out = capsys.readouterr().out
     assert "dedicated 1 node(s) x 8 GPU(s)" in out and "TP 8 x DP 1" in out and "16 x 64 = 1,024" in out
-    assert "27.01B parameters" in out and "GiB" in out
+    assert "27.43B parameters" in out and "GiB" in out
     assert "per update          512 micro-batch(es) of 1 row(s) per optimizer step per rank (DP 1)" in out
     assert "vllm, TP 8 -> 1 engine(s)" in out and "1 vLLM engine actor(s) of 8 GPU(s) each" in out
     assert "weights at start: dummy, then the trainer's (broadcast from training rank 0)" in out

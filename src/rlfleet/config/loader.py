@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError, create_model
 
 import rlfleet
 from rlfleet.config.algorithm import Algorithm, algorithm_names, algorithm_specs
+from rlfleet.config.architectures import with_known_architectures
 from rlfleet.config.checks import section_problems
 from rlfleet.config.errors import ConfigError, deep_merge, got, short_repr
 from rlfleet.config.overrides import Override, apply_overrides, parse_override
@@ -328,7 +329,8 @@ def validate_config(raw: dict[str, Any]) -> MasterConfig:
     except ValidationError as exc:
         problems = [_describe(error) for error in exc.errors(include_url=False)]
         raise ConfigError(problems, header=f"invalid config ({len(problems)} problem(s)):") from exc
-    problems = section_problems(cfg)
+    cfg, problems = with_known_architectures(cfg)  # a shipped model's real size, or a block checked
+    problems = section_problems(cfg) + problems
     if problems:
         raise ConfigError(problems, header=f"invalid config ({len(problems)} problem(s)):")
     return cfg

@@ -317,6 +317,12 @@ class ArchitectureConfig(Strict):
     intermediate_size: int = Field(ge=1)
     vocab_size: int = Field(ge=1)
     tie_word_embeddings: bool = False
+    other_parameters: int = Field(
+        0,
+        ge=0,
+        description="Parameters the model loads outside its text decoder (a vision tower and its projector): "
+        "held on every tensor-parallel rank, not trained on text.",
+    )
 
 
 class PolicyConfig(Strict):

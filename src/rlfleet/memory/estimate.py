@@ -65,7 +65,8 @@ class PassShape:
         logit_tokens: Tokens whose logits exist at once (``logprob_chunk_size``, or ``tokens``).
         compute_bytes: 2 for bfloat16/float16 compute, 4 for float32.
         checkpointing: Activation checkpointing of the decoder layers.
-        tensor_parallel: The training tensor-parallel size (shards heads, the MLP and the vocabulary).
+        tensor_parallel: The training tensor-parallel size (shards the heads and the MLP; the output layer,
+            and so the logits, stay whole on every rank: ``rlfleet.policy.parallelize``'s plan).
     """
 
     tokens: int
@@ -153,7 +154,9 @@ def layer_backward_bytes(a: ArchitectureConfig, shape: PassShape) -> float:
 
 
 def logit_bytes(a: ArchitectureConfig, shape: PassShape, pass_: str) -> float:
-    return shape.logit_tokens * a.vocab_size * LOGIT_BYTES[pass_] / shape.tensor_parallel
+    """Every rank computes the whole vocabulary's logits: the tensor-parallel plan leaves the output layer
+    whole (``rlfleet rehearse`` measures it so)."""
+    return shape.logit_tokens * a.vocab_size * LOGIT_BYTES[pass_]
 
 
 def heap_retention_bytes(a: ArchitectureConfig, shape: PassShape) -> float:
@@ -176,8 +179,9 @@ def heap_retention_bytes(a: ArchitectureConfig, shape: PassShape) -> float:
 
 
 def output_gradient_bytes(a: ArchitectureConfig, tensor_parallel: int = 1) -> float:
-    """The float32 gradient of the output layer (``vocabulary x hidden``; column-parallel under TP)."""
-    return 4.0 * a.vocab_size * a.hidden_size / tensor_parallel
+    """The float32 gradient of the output layer (``vocabulary x hidden``), whole on every tensor-parallel
+    rank (the plan leaves the output layer whole; ``tensor_parallel`` is accepted for the callers)."""
+    return 4.0 * a.vocab_size * a.hidden_size
 
 
 def train_peak(

@@ -111,13 +111,20 @@ def algorithm_passes(run: AlgorithmSettings) -> tuple[Pass, ...]:
 
 
 def count_parameters(a: ArchitectureConfig) -> int:
-    """Parameters of a Llama/Qwen/Gemma-style decoder (gated MLP, GQA attention, RMSNorm)."""
+    """Parameters of a Llama/Qwen/Gemma-style decoder (gated MLP, GQA attention, RMSNorm), and what the
+    model loads beside it (``other_parameters``: a vision tower)."""
     head_dim = a.head_dim or a.hidden_size // a.num_attention_heads
     attention = a.hidden_size * head_dim * (2 * a.num_attention_heads + 2 * a.num_key_value_heads)
     mlp = 3 * a.hidden_size * a.intermediate_size
     norms = 2 * a.hidden_size
-    embeddings = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)
-    return a.num_hidden_layers * (attention + mlp + norms) + embeddings + a.hidden_size
+    layers = a.num_hidden_layers * (attention + mlp + norms)
+    return layers + unsplit_parameters(a) + a.other_parameters
+
+
+def unsplit_parameters(a: ArchitectureConfig) -> int:
+    """The decoder's parameters outside its layers, which tensor parallelism leaves whole on every rank:
+    the embeddings (and an untied output layer) and the final norm."""
+    return a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2) + a.hidden_size
 
 
 def count_lora_parameters(cfg: MasterConfig) -> int:
@@ -196,10 +203,11 @@ def parameter_counts(cfg: MasterConfig) -> tuple[int, int]:
     arch = cfg.policy.architecture
     assert arch is not None
     parameters = count_parameters(arch)
+    text = parameters - arch.other_parameters  # a vision tower gets no gradient from text
     try:
-        trainable = count_lora_parameters(cfg) if cfg.policy.dtensor_cfg.lora_cfg.enabled else parameters
+        trainable = count_lora_parameters(cfg) if cfg.policy.dtensor_cfg.lora_cfg.enabled else text
     except ValueError:  # LoraTargetError: reported by the config checks
-        trainable = parameters
+        trainable = text
     return parameters, trainable
 
 
@@ -279,16 +287,30 @@ def model_state(
         copies = 2 * compute * parameters / layers
     else:  # autocast caches every weight's cast for the forward and backward
         copies = compute * parameters
+    # tensor parallelism splits the decoder layers; what it leaves whole is sharded over data parallel only
+    arch, tp = cfg.policy.architecture, layout.train_tp if sharded else 1
+    whole = unsplit_parameters(arch) + arch.other_parameters if arch is not None and tp > 1 else 0
+    trained_whole = 0 if cfg.policy.dtensor_cfg.lora_cfg.enabled else max(whole - _other(cfg), 0)
+
+    def per_rank(count: float, held_whole: float) -> float:
+        return (count - held_whole) / world + held_whole / max(world // tp, 1)
+
+    held, trained = per_rank(parameters, whole), per_rank(trainable, trained_whole)
     return ModelState(
-        weights=4 * parameters / world,
-        optimizer=OPTIMIZER_STATE_BYTES[cfg.policy.optimizer.name] * trainable / world,
-        gradients=4 * trainable / world,
+        weights=4 * held,
+        optimizer=OPTIMIZER_STATE_BYTES[cfg.policy.optimizer.name] * trained,
+        gradients=4 * trained,
         # in one process the reference computes as the policy does, from float32 weights under autocast
-        reference=(compute if sharded else 4) * parameters / world if reference else 0.0,
+        reference=(compute if sharded else 4) * held if reference else 0.0,
         compute_copies=copies,
         # one process: the teacher beside the student; on Ray it is an actor of its own (``_teacher_actor``)
         teacher=teacher_bytes(cfg) if run.has_teacher and not sharded else 0.0,
     )
+
+
+def _other(cfg: MasterConfig) -> int:
+    arch = cfg.policy.architecture
+    return arch.other_parameters if arch is not None else 0
 
 
 def _teacher_actor(

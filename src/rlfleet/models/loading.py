@@ -153,6 +153,18 @@ def load_model(
     return model
 
 
+def meta_model(name_or_path: str, precision: str) -> PreTrainedModel:
+    """The causal LM of ``name_or_path``'s configuration (a shipped one, a local directory's or the hub
+    cache's) with its weights on the meta device: its real architecture, no memory, nothing downloaded."""
+    from rlfleet.config.architectures import load_model_config
+
+    config = load_model_config(name_or_path)
+    with torch.device("meta"):
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=DTYPES[precision])
+    model.config.use_cache = False
+    return model
+
+
 def reward_model_config(config: PretrainedConfig, pad_token_id: int | None) -> PretrainedConfig:
     """``config`` (a copy) as a Bradley-Terry reward model's: one label (the scalar score) and the padding
     id, by which transformers' sequence-classification heads find each row's last token."""
@@ -208,6 +220,7 @@ class ModelSource:
     tokenizer_name: str | None = None
     reward_model: str | None = None  # policy.reward_model_cfg.reward_model_type when enabled, else None
     chat_template: str | None = DEFAULT_CHAT_TEMPLATE  # policy.tokenizer.chat_template
+    meta_weights: bool = False  # the architecture only (rlfleet rehearse): built from its config on meta
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         """``policy.tokenizer.name`` when set, else the model's own tokenizer, with
@@ -221,6 +234,8 @@ class ModelSource:
     def load_model(self, precision: str | None = None) -> PreTrainedModel:
         """The model in ``precision`` (default ``self.precision``): the causal LM, or the reward model with
         its tokenizer's padding id."""
+        if self.meta_weights:
+            return meta_model(self.model_name, precision or self.precision)
         pad = self.load_tokenizer().pad_token_id if self.reward_model is not None else None
         return load_model(
             self.model_name,

@@ -127,6 +127,30 @@ def validate_tensor_parallel(model: PreTrainedModel, tensor_parallel_size: int) 
                 )
 
 
+def unsharded_linears(model: nn.Module, tensor_parallel_size: int) -> list[str]:
+    """The linear weights of the decoder layers that ``parallelize`` left whole on each tensor-parallel rank
+    (none when ``tensor_parallel_size`` is 1): a projection the plan misses is replicated on every rank,
+    which multiplies its memory by the TP size. Embeddings, norms, the LM head and a vision tower sit
+    outside the decoder layers and are replicated on purpose."""
+    if tensor_parallel_size <= 1:
+        return []
+    whole = []
+    for index, layer in enumerate(decoder_layers(model)):
+        for name, module in layer.named_modules():
+            if isinstance(module, nn.Linear) and not _split_over_tp(module.weight):
+                whole.append(f"layer {index}: {name}")
+    return whole
+
+
+def _split_over_tp(weight: torch.Tensor) -> bool:
+    if not isinstance(weight, DTensor):
+        return False
+    names = weight.device_mesh.mesh_dim_names or ()
+    return any(
+        n == "tp" and not isinstance(pl, Replicate) for n, pl in zip(names, weight.placements, strict=True)
+    )
+
+
 def build_mesh(tensor_parallel_size: int, device_type: str) -> DeviceMesh:
     """A ``("dp", "tp")`` mesh over the default process group, ``tp`` innermost.
 
