@@ -170,3 +170,9 @@ def test_a_recipe_that_contradicts_the_shipped_configuration_is_refused(
     )
     err = capsys.readouterr().err
     assert code == 2 and "hidden_size: 1024 here, 896 in config.json" in err and "fix: remove" in err
+
+
+def test_the_benchmark_rehearses_every_gpu_recipe() -> None:
+    from benchmarks.rehearse import gpu_recipes
+
+    assert gpu_recipes() == ["grpo-gemma3-27b-it-2n8g-fsdp2tp8-noncolocated", "grpo-qwen2.5-0.5b-gsm8k-1n1g"]
