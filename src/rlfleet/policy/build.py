@@ -109,6 +109,9 @@ def build_policy_models(
     model = source.load_model("float32")  # the causal LM, or the reward model (source.reward_model)
     # transformers' @wraps on PreTrainedModel.to hides the bound self from mypy
     model.to(device)  # type: ignore[arg-type]
+    frozen = freeze_outside_text_decoder(model)
+    if frozen:
+        log.info("%s: %d parameters outside the text decoder kept frozen", source.model_name, frozen)
     if lora is not None:
         apply_lora(model, lora)
     if torch_compile:  # before checkpointing and sharding wrap the layers
@@ -126,6 +129,28 @@ def build_policy_models(
     return PolicyModels(
         model, reference, compute, autocast_dtype=cast if mesh is None else None, compiled=torch_compile
     )
+
+
+def freeze_outside_text_decoder(model: PreTrainedModel) -> int:
+    """Freezes what a multimodal checkpoint holds beside its text decoder and output layer (Gemma 3's
+    ``Gemma3ForConditionalGeneration``: the vision tower and projector); returns how many parameters.
+
+    Training on text gives those weights no gradient, so they get no optimizer state either; frozen, they
+    are also not expected in a checkpoint's optimizer state when a run resumes. They stay in the model, its
+    checkpoints and its export, unchanged, so the exported directory loads as the original model did. A
+    text-only model (its config is its own text config) and a reward model are left as they are.
+    """
+    config = getattr(model, "config", None)
+    if config is None or config.get_text_config() is config:
+        return 0
+    output = model.get_output_embeddings()
+    if output is None:
+        return 0
+    kept = {id(p) for p in model.get_decoder().parameters()} | {id(p) for p in output.parameters()}
+    frozen = [p for p in model.parameters() if id(p) not in kept]
+    for parameter in frozen:
+        parameter.requires_grad_(False)
+    return sum(p.numel() for p in frozen)
 
 
 def _frozen_reference(
