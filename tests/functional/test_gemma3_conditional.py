@@ -11,9 +11,6 @@ every projection of its text layers.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -24,8 +21,9 @@ from rlfleet.algorithms.grpo.loop import GRPO
 from rlfleet.checkpoint import export_hf
 from rlfleet.logging import read_metrics
 from rlfleet.models.tiny import create_tiny_model
-from rlfleet.runtime.rehearse import RankJob
+from rlfleet.runtime.loop import closing_run
 from tests.conftest import TEST_SPEC, _arithmetic_corpus, small_grpo_config
+from tests.functional.test_rehearse import rank_job, run_rank_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 DENSE = "env.math.reward_fn=tests.functional.rewards_for_tests.digit_fraction_reward"
@@ -93,15 +91,13 @@ def test_train_resume_export_of_a_conditional_generation_gemma3(tiny_gemma3: Pat
     reloaded = AutoModelForCausalLM.from_pretrained(exported)
     assert type(reloaded).__name__ == "Gemma3ForConditionalGeneration"
     trainer = GRPO(resumed)  # resumes at step 3: the trained weights
-    try:
+    with closing_run(trainer.ctx):  # its environment workers, policy and loggers released after
         policy = trainer.ctx.policy.model
         frozen = [n for n, p in policy.named_parameters() if not p.requires_grad]
         assert frozen and all("vision_tower" in n or "multi_modal_projector" in n for n in frozen)
         ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]])  # past the sliding window of 8
         with torch.no_grad():
             torch.testing.assert_close(reloaded(input_ids=ids).logits, policy(input_ids=ids).logits)
-    finally:
-        trainer.ctx.policy.close()
     original = AutoModelForCausalLM.from_pretrained(tiny_gemma3).state_dict()
     after = reloaded.state_dict()
     vision = _vision(original)
@@ -114,33 +110,17 @@ def test_the_tensor_parallel_plan_splits_every_projection_of_its_text_layers(tin
     """rlfleet's plan on the conditional-generation layout (layers under ``model.language_model``), checked
     in a fake world of 2 tensor-parallel ranks: every q/k/v/o and gate/up/down split, the vision tower left
     whole on purpose, and a training step rehearsed."""
-    job = RankJob(
+    job = rank_job(
+        tiny_gemma3,
         role="rank 0 of 2 (TP 2)",
-        model_name=str(tiny_gemma3),
-        precision="float32",
         world=2,
-        rank=0,
-        tensor_parallel=2,
-        activation_checkpointing=True,
+        precision="float32",
         keep_reference=False,
         train_rows=1,
         train_tokens=32,
         logprob_rows=1,
         logprob_tokens=32,
-        logprob_chunk=None,
-        lr=1e-6,
     )
-    code = "import json, sys\nfrom rlfleet.runtime.rehearse import RankJob, run_rank\n"
-    code += "print(json.dumps(run_rank(RankJob(**json.loads(sys.argv[1])))))\n"
-    done = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(asdict(job))],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_rank_in_process(job)
     assert result["unsharded"] == [] and result["peak"] > 0
     assert result["parameters_here"] < result["parameters"]

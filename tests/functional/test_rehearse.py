@@ -43,7 +43,7 @@ def small_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def _job(model: Path, **changes: object) -> RankJob:
+def rank_job(model: Path, **changes: object) -> RankJob:
     job = RankJob(
         role="training rank 0 of 4 (TP 2 x DP 2)",
         model_name=str(model),
@@ -63,7 +63,7 @@ def _job(model: Path, **changes: object) -> RankJob:
     return replace(job, **changes)  # type: ignore[arg-type]
 
 
-def _run(job: RankJob, patch: str = "") -> dict[str, object]:
+def run_rank_in_process(job: RankJob, patch: str = "") -> dict[str, object]:
     """``run_rank`` in a process of its own (a fake world is one per process), after ``patch``."""
     code = (
         "import json, sys\n"
@@ -85,7 +85,7 @@ def _run(job: RankJob, patch: str = "") -> dict[str, object]:
 
 
 def test_a_sharded_rank_is_measured_by_kind(small_config: Path) -> None:
-    result = _run(_job(small_config))
+    result = run_rank_in_process(rank_job(small_config))
     assert result["unsharded"] == []
     h, i, v, layers, kv = 256, 512, 2048, 4, 4 * 32  # the config's sizes (head_dim 32, 4 KV heads)
     layer = h * (h + kv + kv + h) + 3 * h * i + 2 * h  # q, k, v, o; gate, up, down; two norms
@@ -109,7 +109,7 @@ def test_a_plan_that_misses_a_projection_is_refused(small_config: Path) -> None:
         "import rlfleet.policy.parallelize as p\n"
         "p._COLWISE = tuple(n for n in p._COLWISE if n != 'mlp.up_proj')"
     )
-    result = _run(_job(small_config), patch)
+    result = run_rank_in_process(rank_job(small_config), patch)
     assert result["unsharded"] == [f"layer {i}: mlp.up_proj" for i in range(4)]
 
 

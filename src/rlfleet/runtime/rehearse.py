@@ -270,8 +270,6 @@ def plan_estimate(cfg: MasterConfig, layout: ResourceLayout) -> float | None:
 def generation_rows(cfg: MasterConfig, layout: ResourceLayout) -> list[tuple[str, str]]:
     """The generation engines from the model's real configuration: vLLM's tensor-parallel divisibility,
     weights per GPU, and the KV-cache tokens and sequences that fit at ``gpu_memory_utilization``."""
-    if layout.colocated and layout.train_world == 0:
-        return []
     config = load_model_config(cfg.policy.model_name)
     text = config.get_text_config()
     tp = layout.gen_tp
@@ -299,7 +297,7 @@ def generation_rows(cfg: MasterConfig, layout: ResourceLayout) -> list[tuple[str
     for gpu, memory in GPU_MEMORY_GB.items():
         free = memory * GB * vllm.gpu_memory_utilization - weights
         tokens = max(free, 0.0) / per_token
-        samples = cfg_samples_per_step(cfg)
+        samples = algorithm_spec(cfg.algorithm or "grpo").settings(cfg).step_rows
         rows.append(
             (
                 f"KV cache on {gpu}",
@@ -308,10 +306,6 @@ def generation_rows(cfg: MasterConfig, layout: ResourceLayout) -> list[tuple[str
             )
         )
     return rows
-
-
-def cfg_samples_per_step(cfg: MasterConfig) -> int:
-    return algorithm_spec(cfg.algorithm or "grpo").settings(cfg).step_rows
 
 
 def _config_parameters(config: Any) -> int:
