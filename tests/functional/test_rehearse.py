@@ -20,7 +20,7 @@ from rlfleet.config.architectures import architecture_of, shipped_model_config, 
 from rlfleet.config.layout import resource_layout
 from rlfleet.errors import UserError
 from rlfleet.runtime import rehearse as rehearse_module
-from rlfleet.runtime.rehearse import RankJob, rank_jobs
+from rlfleet.runtime.rehearse import RankJob, generation_rows, rank_jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -129,6 +129,11 @@ def test_the_seed_recipe_rehearses_its_real_layout() -> None:
     assert (job.world, job.tensor_parallel, job.keep_reference) == (8, 8, True)
     assert (job.train_rows, job.train_tokens, job.logprob_rows) == (1, 2048, 2)
     assert shipped_model_config(job.model_name) is not None and job.activation_checkpointing
+    rows = dict(generation_rows(cfg, resource_layout(cfg)))
+    assert rows["generation TP"] == "8: heads and KV heads divide"
+    assert rows["weights per GPU"].startswith("6.9 GB (27.43B parameters")
+    # the dedicated engine's refit: every weight in bfloat16 (the tied embedding is sent under both names)
+    assert "253 buckets" in rows["refit per step"] and "57.7 GB broadcast" in rows["refit per step"]
 
 
 def test_every_shipped_gpu_recipe_names_a_shipped_configuration() -> None:

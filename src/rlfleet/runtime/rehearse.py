@@ -25,6 +25,7 @@ them: rank 0 of the training world.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -280,7 +281,8 @@ def generation_rows(cfg: MasterConfig, layout: ResourceLayout) -> list[tuple[str
         if value % tp
     ]
     rows = [("generation TP", f"{tp}: " + ("; ".join(problems) if problems else "heads and KV heads divide"))]
-    parameters = _config_parameters(config)
+    model = _meta_model(config)
+    parameters = int(sum(p.numel() for p in model.parameters()))
     weights = 2 * parameters / tp  # bfloat16
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     vllm = cfg.policy.generation.vllm_cfg
@@ -305,17 +307,34 @@ def generation_rows(cfg: MasterConfig, layout: ResourceLayout) -> list[tuple[str
                 f"{max_len} at once (the step samples {samples:,})",
             )
         )
+    if not layout.colocated:
+        rows.append(("refit per step", _refit_plan(model)))
     return rows
 
 
-def _config_parameters(config: Any) -> int:
-    """Every parameter of the model ``config`` builds (a multimodal model's vision tower included)."""
+def _refit_plan(model: Any) -> str:
+    """The buckets a dedicated engine's refit broadcasts after each step's update (rlfleet's one grouping
+    rule, ``rlfleet.generation.weights.bucket_runs``, over the weights in transfer order, in bfloat16)."""
+    import torch
+
+    from rlfleet.generation.weights import BUCKET_BYTES, bucket_runs, weight_spec
+
+    spec = weight_spec(model.state_dict(), torch.bfloat16)
+    runs = list(bucket_runs(spec.tensors, spec.dtype))
+    sizes = [2 * sum(math.prod(shape) for _, shape in run) for run in runs]
+    return (
+        f"{len(runs)} buckets (at most {BUCKET_BYTES / 2**20:.0f} MiB each unless one tensor is larger; the "
+        f"largest {max(sizes) / GB:.2f} GB), {sum(sizes) / GB:.1f} GB broadcast from training rank 0"
+    )
+
+
+def _meta_model(config: Any) -> Any:
+    """The causal LM ``config`` builds (a multimodal model's vision tower included), on the meta device."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return int(sum(p.numel() for p in model.parameters()))
+        return AutoModelForCausalLM.from_config(config)
 
 
 def format_rehearsal(cfg: MasterConfig, recipe: str, results: list[dict[str, Any]]) -> str:
